@@ -1,0 +1,67 @@
+"""The `kvc` command: a thin click layer over the library.
+
+Commands parse their options, call `kvc.*`, and render. Expected failures are `KvcError`s:
+they print one clear message and exit with the error's code (README, "Exit codes"); only
+`--debug` shows a traceback. Anything else is an internal error (exit 1).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from kvc import __version__
+from kvc.errors import KvcError
+
+INTERNAL_ERROR = 1
+
+
+class KvcGroup(click.Group):
+    """Runs a command and turns errors into messages and exit codes."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KvcError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            click.echo(f"kvc: error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except Exception as exc:  # noqa: BLE001  (the last line of defence)
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            else:
+                click.echo(f"kvc: internal error: {type(exc).__name__}: {exc}\n"
+                           "(run again with --debug for a traceback)", err=True)
+            ctx.exit(INTERNAL_ERROR)
+
+
+@click.group(cls=KvcGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvc")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """kvc: compile stateful OpenVINO LLMs into static-shape NPU models, and verify them."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _register() -> None:
+    from kvc.cli.inspect_cmd import inspect
+
+    cli.add_command(inspect)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="kvc")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

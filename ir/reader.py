@@ -1,0 +1,94 @@
+"""Find, validate and read a model: an optimum-intel directory, an IR `.xml`, or an `.onnx`.
+
+OpenVINO reads the weights memory-mapped (the Core's default), so loading a model costs
+its graph, not its weights. kvc's own ops are registered on the shared Core before any read.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import openvino as ov
+
+from kvc.errors import InvalidModelError
+from kvc.ir.validate import check_inside, validate_ir, validate_onnx
+
+# File names optimum-intel and openvino.genai use for the language model of a directory.
+DIR_CANDIDATES = ("openvino_model.xml", "openvino_language_model.xml", "model.onnx")
+# IR files in a model directory that are not the language model.
+NOT_THE_MODEL = ("tokenizer", "detokenizer")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The files that make up one model on disk."""
+
+    kind: str  # "ir" or "onnx"
+    model: Path
+    weights: Path | None  # the IR .bin; None for ONNX
+    root: Path  # the directory every referenced path must stay in
+
+
+@functools.cache
+def core() -> ov.Core:
+    """The process-wide Core, with kvc's custom ops registered (read and compile need them)."""
+    c = ov.Core()
+    from kvc.ir.custom_ops import register_extensions
+
+    register_extensions(c)
+    return c
+
+
+def resolve(path: str | Path) -> ModelFiles:
+    """Map a user's path to the model files it names, refusing anything ambiguous."""
+    p = Path(path)
+    if not p.exists():
+        raise InvalidModelError("missing-file", str(p), "no such file or directory")
+    if p.is_dir():
+        return _resolve_dir(p)
+    if p.suffix == ".xml":
+        bin_path = check_inside(p.with_suffix(".bin"), p.parent, str(p), "weights file")
+        check_inside(p, p.parent, str(p), "model file")
+        return ModelFiles("ir", p, bin_path, p.parent)
+    if p.suffix == ".onnx":
+        return ModelFiles("onnx", p, None, p.parent)
+    raise InvalidModelError("unknown-format", str(p), "not a model kvc can read",
+                            expected="a directory, an .xml (OpenVINO IR) or an .onnx", found=p.suffix or "no suffix")
+
+
+def _resolve_dir(d: Path) -> ModelFiles:
+    for name in DIR_CANDIDATES:
+        candidate = d / name
+        if candidate.exists():
+            target = check_inside(candidate, d, str(candidate), "model file")
+            if name.endswith(".onnx"):
+                return ModelFiles("onnx", target, None, d)
+            bin_path = check_inside(candidate.with_suffix(".bin"), d, str(candidate), "weights file")
+            return ModelFiles("ir", target, bin_path, d)
+    xmls = sorted(x.name for x in d.glob("*.xml") if not any(t in x.name for t in NOT_THE_MODEL))
+    onnxs = sorted(x.name for x in d.glob("*.onnx"))
+    found = xmls + onnxs
+    if len(found) == 1:
+        return resolve(d / found[0])
+    raise InvalidModelError("no-model", str(d), "cannot tell which file is the model",
+                            expected=" or ".join(DIR_CANDIDATES) + " (or exactly one .xml/.onnx)",
+                            found=", ".join(found) or "no model files")
+
+
+def load(path: str | Path, *, validate: bool = True) -> ov.Model:
+    """Read a model after validating its files; the model's friendly name is kept as exported."""
+    files = resolve(path)
+    if validate:
+        if files.kind == "ir":
+            validate_ir(files.model, files.weights)
+        else:
+            validate_onnx(files.model)
+    try:
+        return core().read_model(str(files.model))
+    except RuntimeError as exc:
+        # Validation passed, so this is a semantic problem (unknown op, bad attribute).
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InvalidModelError("openvino-rejected", str(files.model),
+                                f"OpenVINO cannot read this model: {first}") from None

@@ -1,0 +1,85 @@
+"""Write models atomically and reproducibly.
+
+A failure never leaves a half-written model that looks valid: both files are written under
+temporary names in the target directory, fsynced, then renamed over the targets (weights
+first, so a visible `.xml` never points at a missing or partial `.bin`). Weights are never
+compressed (OpenVINO's `save_model` defaults to fp16 compression, which would change the
+numbers kvc promises to keep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import openvino as ov
+
+from kvc.errors import UsageError
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path, suffix: str = ""):
+    """Yield a temporary path beside `target`; on success rename it over `target`.
+
+    On any exception the temporary file is removed and `target` is untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        _fsync_file(tmp_path)
+        os.replace(tmp_path, target)
+        fsync_dir(target.parent)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(target: str | Path, data: bytes) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
+
+
+def save(model: ov.Model, path: str | Path) -> Path:
+    """Save `model` as `path` (an `.xml`) and its `.bin`, atomically and without fp16 compression."""
+    xml = Path(path)
+    if xml.suffix != ".xml":
+        raise UsageError(f"{xml}: an OpenVINO IR is saved as an .xml file (with its .bin beside it)")
+    xml.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{xml.stem}.", dir=xml.parent))
+    try:
+        tmp_xml = tmp_dir / xml.name
+        ov.save_model(model, str(tmp_xml), compress_to_fp16=False)
+        tmp_bin = tmp_xml.with_suffix(".bin")
+        for f in (tmp_bin, tmp_xml):
+            if f.exists():
+                _fsync_file(f)
+        if tmp_bin.exists():
+            os.replace(tmp_bin, xml.with_suffix(".bin"))
+        else:  # a weightless model: a stale .bin from an earlier save must not linger
+            xml.with_suffix(".bin").unlink(missing_ok=True)
+        os.replace(tmp_xml, xml)
+        fsync_dir(xml.parent)
+    finally:
+        for leftover in tmp_dir.iterdir():
+            leftover.unlink()
+        tmp_dir.rmdir()
+    return xml

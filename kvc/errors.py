@@ -1,0 +1,68 @@
+"""Typed errors with stable exit codes.
+
+Every error a user can cause is a `KvcError`; the CLI maps its `exit_code` to the process
+exit status and prints the message without a traceback. Anything else is an internal error.
+The codes are part of kvc's interface (README, "Exit codes"): never renumber them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KvcError(Exception):
+    """Base of every error kvc raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(KvcError):
+    """Bad options or arguments."""
+
+    exit_code = 2
+
+
+@dataclass(eq=False)
+class InvalidModelError(KvcError):
+    """A model file kvc refuses to read, with where and why.
+
+    `code` is a short stable slug (e.g. ``bin-truncated``) that tests and scripts can match on;
+    `file`, `layer` and `expected`/`found` locate the problem for a person.
+    """
+
+    code: str
+    file: str
+    reason: str
+    layer: str | None = None
+    expected: str | None = None
+    found: str | None = None
+
+    exit_code = 3
+
+    def __post_init__(self) -> None:
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = self.file + (f": {self.layer}" if self.layer else "")
+        text = f"{where}: {self.reason}"
+        if self.expected is not None or self.found is not None:
+            text += f" (expected {self.expected}, found {self.found})"
+        return f"{text} [{self.code}]"
+
+
+class VerificationError(KvcError):
+    """A compiled pipeline does not reproduce its reference."""
+
+    exit_code = 4
+
+
+class DeviceError(KvcError):
+    """A device cannot be used (not present, plugin missing, compile refused)."""
+
+    exit_code = 5
+
+
+class PassError(KvcError):
+    """A transformation cannot apply to this model."""
+
+    exit_code = 6

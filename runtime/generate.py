@@ -1,0 +1,107 @@
+"""Reference greedy generation over any session: the yardstick pipelines are measured by.
+
+A stateful session keeps its cache in variables; a stateless one (lifted IR, ONNX) gets
+the previous step's `present.*` outputs back as `past_key_values.*` inputs. Either way each
+step feeds what optimum-intel's exports expect (input_ids, attention_mask, position_ids,
+beam_idx), restricted to the inputs the model actually has: ALiBi models without
+position_ids work unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvc.errors import UsageError
+from kvc.runtime.session import Session
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key_value|key|value)$")
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated, prompt excluded
+    logits: list[np.ndarray] = field(default_factory=list)  # [V] per step: what chose each token
+    first_logits: np.ndarray | None = None  # [S, V] of the prefill step
+
+
+def _step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
+    batch, n = ids.shape
+    full = {
+        "input_ids": ids,
+        "attention_mask": np.ones((batch, past_len + n), np.int64),
+        "position_ids": np.broadcast_to(np.arange(past_len, past_len + n, dtype=np.int64), (batch, n)).copy(),
+        "beam_idx": np.arange(batch, dtype=np.int32),
+    }
+    return {k: v for k, v in full.items() if k in session.input_names}
+
+
+def _empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
+    """Zero-length past tensors for a stateless session, shaped from its input ports."""
+    from kvc.runtime.session import NumpySession, OnnxRuntimeSession, OpenVINOSession
+
+    past = {}
+    if isinstance(session, OnnxRuntimeSession):
+        ports = [(i.name, i.shape, i.type) for i in session.session.get_inputs()]
+        for name, shape, _ in ports:
+            if _PAST.match(name):
+                dims = [d if isinstance(d, int) else None for d in shape]
+                past[name] = _zero_len(name, dims, batch, np.float32)
+        return past
+    if isinstance(session, NumpySession):
+        ports = [(names[0], p) for names, _, p in session.interpreter._inputs]
+    elif isinstance(session, OpenVINOSession):
+        ports = [(names[0], p) for names, p in session._inputs]
+    else:
+        raise UsageError(f"cannot drive a stateless {type(session).__name__}")
+    from kvc.runtime.ops.registry import to_dtype
+
+    for name, port in ports:
+        if _PAST.match(name):
+            dims = [d.get_length() if d.is_static else None for d in port.get_partial_shape()]
+            past[name] = _zero_len(name, dims, batch, to_dtype(port.get_element_type()))
+    return past
+
+
+def _zero_len(name: str, dims: list, batch: int, dtype) -> np.ndarray:
+    """Dynamic dims: the first is batch, the last dynamic one is the (empty) sequence."""
+    dyn = [i for i, d in enumerate(dims) if d is None]
+    if len(dyn) < 2:
+        raise UsageError(f"cannot tell batch and sequence axes of {name} {dims}")
+    shape = [d if d is not None else 0 for d in dims]
+    shape[dyn[0]] = batch
+    return np.zeros(shape, dtype)
+
+
+def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
+           reset: bool = True) -> Generation:
+    """Greedy decoding of one prompt (batch 1): argmax each step, no early stop."""
+    ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise UsageError("the prompt is empty")
+    if reset:
+        session.reset()
+    stateless = any(_PAST.match(n) for n in session.input_names)
+    past = _empty_past(session, 1) if stateless else {}
+    gen = Generation(prompt=[int(t) for t in ids[0]])
+    past_len = 0
+    step_ids = ids
+    for step in range(max_new_tokens):
+        feed = _step_inputs(session, step_ids, past_len)
+        feed.update(past)
+        out = session.infer(feed)
+        logits = out["logits"][0]
+        if step == 0:
+            gen.first_logits = np.array(logits, copy=True)
+        last = logits[-1]
+        token = int(np.argmax(last))
+        gen.tokens.append(token)
+        gen.logits.append(np.array(last, copy=True))
+        if stateless:
+            past = {name: out[name.replace("past_key_values", "present")] for name in past}
+        past_len += step_ids.shape[1]
+        step_ids = np.array([[token]], dtype=np.int64)
+    return gen

@@ -1,0 +1,315 @@
+"""kvc's numpy interpreter for `ov.Model`: the reference that defines what a model computes.
+
+A model is *prepared* once: every op gets its kernel from the op table, values get integer
+slots, constants are bound to their (memory-mapped) data, constant subgraphs are folded,
+and each value is scheduled to be freed after its last use. Running is then a flat loop
+over steps, with no per-call graph analysis. OpenVINO reads the graph; it never computes a
+value here.
+
+State follows OpenVINO's semantics: a ReadValue returns its variable's value, or evaluates
+its init input when the variable is empty; Assigns take effect when the call finishes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import openvino as ov
+
+from kvc.errors import KvcError
+from kvc.ir.naming import name_model
+from kvc.runtime.ops import load_all
+from kvc.runtime.ops.registry import lookup, spec_of, to_dtype
+from kvc.runtime.ops.lowbit import constant_array
+
+# Ops the interpreter itself implements (they touch inputs, outputs or state).
+_BUILTIN = {"Parameter", "Result", "Constant", "ReadValue", "Assign"}
+_STATEFUL = {"ReadValue", "Assign"}
+# Folding a constant subgraph whose result is larger than this would copy weights for
+# nothing (e.g. a Broadcast of a scalar); above it, the op runs at inference time.
+_FOLD_LIMIT_BYTES = 64 << 20
+
+
+class UnsupportedOpError(KvcError):
+    """The model uses ops kvc's interpreter does not implement (all of them are listed)."""
+
+    exit_code = 3
+
+
+class EvaluationError(KvcError):
+    """An op failed while executing; the message names the op and its inputs."""
+
+
+class InputError(KvcError):
+    """Inputs given to a session do not match the model's inputs."""
+
+    exit_code = 2
+
+
+def describe_array(a) -> str:
+    """`dtype:shape [min, max]`, the interpreter's one-line summary of a value."""
+    a = np.asarray(a)
+    shape = "x".join(map(str, a.shape)) or "scalar"
+    if a.size == 0 or a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.number):
+        return f"{a.dtype}:{shape}"
+    return f"{a.dtype}:{shape} [{a.min()}, {a.max()}]"
+
+
+@dataclass(frozen=True)
+class _Step:
+    kernel: Callable
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    free: tuple[int, ...]
+    node: ov.Node
+    label: str  # "<Type> <friendly name>"
+
+
+class TensorMap(Mapping):
+    """Model outputs by tensor name: iterates primary names, looks up any alias."""
+
+    def __init__(self, entries: Iterable[tuple[tuple[str, ...], np.ndarray]]):
+        self._primary: dict[str, np.ndarray] = {}
+        self._alias: dict[str, str] = {}
+        for names, value in entries:
+            self._primary[names[0]] = value
+            for n in names:
+                self._alias.setdefault(n, names[0])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            return self._primary[self._alias[name]]
+        except KeyError:
+            raise KeyError(f"no output named {name!r}; outputs: {', '.join(self._primary)}") from None
+
+    def __iter__(self):
+        return iter(self._primary)
+
+    def __len__(self) -> int:
+        return len(self._primary)
+
+    def __contains__(self, name) -> bool:
+        return name in self._alias
+
+
+def port_names(port) -> tuple[str, ...]:
+    """A port's tensor names, the one OpenVINO reports first (get_any_name) leading."""
+    names = port.get_names()
+    if not names:
+        return (f"<output {port.get_index()}>",)
+    first = port.get_any_name()
+    return (first, *sorted(n for n in names if n != first))
+
+
+class Interpreter:
+    """A prepared model; `run` evaluates it, `state` holds its variables between runs."""
+
+    def __init__(self, model: ov.Model, *, fold_constants: bool = True):
+        load_all()
+        check_supported(model)
+        self.model = model
+        self.state: dict[str, np.ndarray] = {}
+        self._variables = {v.get_info().variable_id: v.get_info() for v in model.get_variables()}
+        self._prepare(fold_constants)
+
+    # -- preparation -------------------------------------------------------------------
+    def _prepare(self, fold: bool) -> None:
+        ops = self.model.get_ordered_ops()
+        slot: dict[tuple[ov.Node, int], int] = {}
+        consts: dict[int, np.ndarray] = {}
+        steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...], ov.Node]] = []
+        self._inputs: list[tuple[tuple[str, ...], int, ov.Output]] = []
+        self._results: list[tuple[tuple[str, ...], int]] = []
+        self._slot_names: dict[int, str] = {}
+
+        def new_slots(node: ov.Node) -> tuple[int, ...]:
+            out = []
+            for port in range(node.get_output_size()):
+                slot[(node, port)] = len(slot)
+                out.append(slot[(node, port)])
+            return tuple(out)
+
+        for node in ops:
+            tname = node.get_type_name()
+            ins = tuple(slot[(i.get_source_output().get_node(), i.get_source_output().get_index())]
+                        for i in node.inputs())
+            if tname == "Parameter":
+                (s,) = new_slots(node)
+                self._inputs.append((port_names(node.output(0)), s, node.output(0)))
+            elif tname == "Constant":
+                (s,) = new_slots(node)
+                consts[s] = constant_array(node)
+            elif tname == "Result":
+                self._results.append((port_names(node.output(0)), ins[0]))
+            elif tname == "ReadValue":
+                outs = new_slots(node)
+                steps.append((self._read_value(node), ins, outs, node))
+            elif tname == "Assign":
+                new_slots(node)
+                steps.append((self._assign(node), ins, (), node))
+            else:
+                kernel = lookup(tname, node.get_type_info().version_id)(spec_of(node))
+                outs = new_slots(node)
+                if fold and ins and all(i in consts for i in ins):
+                    folded = self._try_fold(kernel, [consts[i] for i in ins], node)
+                    if folded is not None:
+                        consts.update(zip(outs, folded))
+                        continue
+                steps.append((kernel, ins, outs, node))
+
+        naming = name_model(self.model)
+        self._slot_names = {s: naming.value(node.output(port)) for (node, port), s in slot.items()
+                            if (node, port) in naming._values}
+        self._n_slots = len(slot)
+        self._consts = consts
+        keep = {s for _, s in self._results} | set(consts)
+        last_use: dict[int, int] = {}
+        for idx, (_, ins, _, _) in enumerate(steps):
+            for s in ins:
+                last_use[s] = idx
+        frees: list[list[int]] = [[] for _ in steps]
+        for s, idx in last_use.items():
+            if s not in keep:
+                frees[idx].append(s)
+        self._steps = [
+            _Step(k, ins, outs, tuple(frees[i]), n, f"{n.get_type_name()} {n.get_friendly_name()}")
+            for i, (k, ins, outs, n) in enumerate(steps)
+        ]
+
+    @staticmethod
+    def _try_fold(kernel, args, node) -> tuple[np.ndarray, ...] | None:
+        try:
+            with np.errstate(all="ignore"):
+                out = kernel(*args)
+        except Exception as exc:  # report it where a user would see it: at run time, with context
+            raise EvaluationError(_failure(f"{node.get_type_name()} {node.get_friendly_name()}",
+                                           args, exc)) from exc
+        outs = out if isinstance(out, tuple) else (out,)
+        if sum(np.asarray(o).nbytes for o in outs) > _FOLD_LIMIT_BYTES:
+            return None
+        return tuple(np.asarray(o) for o in outs)
+
+    def _read_value(self, node: ov.Node):
+        var_id = node.get_attributes()["variable_id"]
+        info = self._variables[var_id]
+        dtype = to_dtype(info.data_type)
+
+        def read(*init):
+            value = self.state.get(var_id)
+            if value is not None:
+                return value
+            if init:
+                return np.asarray(init[0], dtype=dtype)
+            shape = info.data_shape
+            if shape.is_dynamic:
+                raise EvaluationError(f"variable {var_id} is empty and has neither an init value nor a static "
+                                      f"shape ({shape})")
+            return np.zeros(shape.to_shape(), dtype=dtype)
+
+        return read
+
+    def _assign(self, node: ov.Node):
+        var_id = node.get_attributes()["variable_id"]
+
+        def assign(value):
+            self._pending[var_id] = value
+
+        return assign
+
+    # -- running -----------------------------------------------------------------------
+    def input_names(self) -> list[str]:
+        return [names[0] for names, _, _ in self._inputs]
+
+    def run(self, inputs: Mapping[str, np.ndarray], *, trace: bool | Callable[[str], None] = False,
+            capture: bool = False) -> TensorMap | tuple[TensorMap, dict[str, np.ndarray]]:
+        """Evaluate the model. With `capture`, also return every value by its stable name."""
+        env: list = [None] * self._n_slots
+        for s, v in self._consts.items():
+            env[s] = v
+        for names, s, port in self._inputs:
+            env[s] = bind_input(names, port, inputs)
+        unknown = set(inputs) - {n for names, _, _ in self._inputs for n in names}
+        if unknown:
+            raise InputError(f"unknown input(s) {', '.join(sorted(unknown))}; the model takes "
+                             f"{', '.join(self.input_names())}")
+        emit = (trace if callable(trace) else lambda line: print(line, file=sys.stderr)) if trace else None
+        captured: dict[str, np.ndarray] = {}
+        if capture:
+            captured.update({self._slot_names[s]: env[s] for _, s, _ in self._inputs if s in self._slot_names})
+        self._pending: dict[str, np.ndarray] = {}
+        with np.errstate(all="ignore"):
+            for step in self._steps:
+                args = [env[i] for i in step.inputs]
+                try:
+                    out = step.kernel(*args)
+                except KvcError:
+                    raise
+                except Exception as exc:
+                    raise EvaluationError(_failure(step.label, args, exc)) from exc
+                if len(step.outputs) == 1:
+                    env[step.outputs[0]] = out
+                elif step.outputs:
+                    for s, v in zip(step.outputs, out):
+                        env[s] = v
+                if emit is not None:
+                    for s in step.outputs:
+                        emit(f"{self._slot_names.get(s, s)} = {step.node.get_type_name()}: "
+                             f"{describe_array(env[s])}")
+                if capture:
+                    for s in step.outputs:
+                        if s in self._slot_names:
+                            captured[self._slot_names[s]] = env[s]
+                else:
+                    for s in step.free:
+                        env[s] = None
+        self.state.update(self._pending)
+        outputs = TensorMap((names, np.asarray(env[s])) for names, s in self._results)
+        return (outputs, captured) if capture else outputs
+
+    def reset(self) -> None:
+        self.state.clear()
+
+
+def bind_input(names: tuple[str, ...], port: ov.Output, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    given = [n for n in names if n in inputs]
+    if not given:
+        raise InputError(f"missing input {names[0]} ({port.get_element_type().get_type_name()}"
+                         f"{port.get_partial_shape()})")
+    value = np.asarray(inputs[given[0]])
+    want = to_dtype(port.get_element_type())
+    if value.dtype != want:
+        if not np.can_cast(value.dtype, want, casting="same_kind"):
+            raise InputError(f"input {names[0]}: expected element type {want}, found {value.dtype}")
+        value = value.astype(want)
+    pshape = port.get_partial_shape()
+    if not pshape.compatible(ov.PartialShape(list(value.shape))):
+        raise InputError(f"input {names[0]}: expected shape {pshape}, found {list(value.shape)}")
+    return value
+
+
+def _failure(label: str, args, exc: Exception) -> str:
+    shapes = ", ".join(describe_array(a) if a is not None else "None" for a in args)
+    return f"while executing {label}: {type(exc).__name__}: {exc} (inputs: {shapes})"
+
+
+def check_supported(model: ov.Model) -> None:
+    """Raise one UnsupportedOpError listing every op the interpreter lacks, before running anything."""
+    load_all()
+    missing: dict[tuple[str, str], list[str]] = {}
+    for node in model.get_ordered_ops():
+        tname, version = node.get_type_name(), node.get_type_info().version_id
+        if tname in _BUILTIN or lookup(tname, version) is not None:
+            continue
+        users = sorted({i.get_node().get_friendly_name() for o in node.outputs() for i in o.get_target_inputs()})
+        names = sorted({n for o in node.outputs() for n in o.get_names()})
+        where = f"'{node.get_friendly_name()}'" + (f" (tensors {', '.join(names)})" if names else "")
+        where += f", used by {', '.join(users[:3])}{'…' if len(users) > 3 else ''}" if users else ""
+        missing.setdefault((tname, version), []).append(where)
+    if missing:
+        lines = [f"  {t} ({v}) ×{len(w)}: {w[0]}" + (f" and {len(w) - 1} more" if len(w) > 1 else "")
+                 for (t, v), w in sorted(missing.items())]
+        raise UnsupportedOpError("kvc's numpy interpreter does not implement "
+                                 f"{len(missing)} op type(s) used by this model:\n" + "\n".join(lines))

@@ -1,0 +1,39 @@
+"""ScaledDotProductAttention (opset13), exactly as its specification's reference code:
+
+    attn = softmax(Q @ K^T * scale + bias) @ V
+    bias = triu(-inf, k=1) over [L, S] if causal (the mask input is then ignored),
+           else where(mask, 0, -inf) for a boolean mask, else the additive mask.
+
+Leading dimensions broadcast (numpy rules), which is how GQA arrives after optimum's
+Unsqueeze/Broadcast/Reshape head expansion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvc.runtime.ops.reductions import softmax_array
+from kvc.runtime.ops.registry import NodeSpec, register
+
+
+@register("ScaledDotProductAttention")
+def sdpa(spec: NodeSpec):
+    causal = bool(spec.attrs.get("causal", False))
+    out = spec.out_dtype
+
+    def run(q, k, v, mask=None, scale=None, *_):
+        dt = q.dtype
+        s = (np.asarray(scale, dtype=dt).reshape(()) if scale is not None
+             else dt.type(1.0 / np.sqrt(q.shape[-1])))
+        w = np.matmul(q, np.swapaxes(k, -1, -2)) * s
+        L, S = q.shape[-2], k.shape[-2]
+        if causal:
+            w = w + np.triu(np.full((L, S), -np.inf, dtype=dt), k=1)
+        elif mask is not None:
+            if mask.dtype == np.bool_:
+                w = w + np.where(mask, dt.type(0), dt.type(-np.inf))
+            else:
+                w = w + mask.astype(dt, copy=False)
+        return np.matmul(softmax_array(w, -1), v).astype(out, copy=False)
+
+    return run

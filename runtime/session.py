@@ -1,0 +1,185 @@
+"""One session interface over three engines: kvc's numpy interpreter, OpenVINO, onnxruntime.
+
+    session.infer({"input_ids": ids, ...}) -> outputs by tensor name (any alias works)
+    session.reset()                           -> empty every variable
+    session.state() / session.set_state(id, value)
+
+The same inputs by tensor name give outputs by tensor name on every backend, so a pipeline
+or a comparison never needs to know which engine it drives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Protocol
+
+import numpy as np
+import openvino as ov
+
+from kvc.errors import DeviceError, UsageError
+from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_names
+
+# OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
+# it); a reference comparison needs f32 throughout (REFERENCE.md §1).
+EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+# The NPU plugin on a machine without an NPU: NPUW with CPU as its backend (REFERENCE.md §5).
+NPUW_CPU_CONFIG = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_ONLINE_PIPELINE": "NONE"}
+
+
+class Session(Protocol):
+    backend: str
+
+    @property
+    def input_names(self) -> list[str]: ...
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> TensorMap: ...
+
+    def reset(self) -> None: ...
+
+    def state(self) -> dict[str, np.ndarray]: ...
+
+    def set_state(self, variable_id: str, value: np.ndarray) -> None: ...
+
+
+class NumpySession:
+    """kvc's interpreter: the reference."""
+
+    backend = "numpy"
+
+    def __init__(self, model: ov.Model):
+        self.interpreter = Interpreter(model)
+
+    @property
+    def input_names(self) -> list[str]:
+        return self.interpreter.input_names()
+
+    def infer(self, inputs, *, trace=False):
+        return self.interpreter.run(inputs, trace=trace)
+
+    def capture(self, inputs) -> tuple[TensorMap, dict[str, np.ndarray]]:
+        return self.interpreter.run(inputs, capture=True)
+
+    def reset(self) -> None:
+        self.interpreter.reset()
+
+    def state(self) -> dict[str, np.ndarray]:
+        return dict(self.interpreter.state)
+
+    def set_state(self, variable_id: str, value: np.ndarray) -> None:
+        if variable_id not in self.interpreter._variables:
+            raise KeyError(f"no variable {variable_id!r}")
+        self.interpreter.state[variable_id] = np.asarray(value)
+
+
+class OpenVINOSession:
+    """An OpenVINO compiled model on any device; CPU defaults to exact f32 inference."""
+
+    backend = "openvino"
+
+    def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None):
+        from kvc.ir.reader import core
+
+        if isinstance(model, ov.CompiledModel):
+            self.compiled = model
+        else:
+            cfg = dict(EXACT_CPU_CONFIG if device == "CPU" else {})
+            cfg.update(config or {})
+            try:
+                self.compiled = core().compile_model(model, device, cfg)
+            except RuntimeError as exc:
+                raise DeviceError(f"cannot compile for {device}: {_first_line(exc)}") from None
+        self.device = device
+        self.request = self.compiled.create_infer_request()
+        self._inputs = [(port_names(p), p) for p in self.compiled.inputs]
+        self._outputs = [port_names(p) for p in self.compiled.outputs]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [names[0] for names, _ in self._inputs]
+
+    def infer(self, inputs):
+        feed = {i: bind_input(names, port, inputs) for i, (names, port) in enumerate(self._inputs)}
+        try:
+            result = self.request.infer(feed)
+        except RuntimeError as exc:
+            raise DeviceError(f"inference on {self.device} failed: {_first_line(exc)}") from None
+        values = list(result.values())
+        return TensorMap((names, np.array(v, copy=True)) for names, v in zip(self._outputs, values))
+
+    def reset(self) -> None:
+        self.request.reset_state()
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {s.name: np.array(s.state.data, copy=True) for s in self.request.query_state()}
+
+    def set_state(self, variable_id: str, value: np.ndarray) -> None:
+        for s in self.request.query_state():
+            if s.name == variable_id:
+                s.state = ov.Tensor(np.ascontiguousarray(value))
+                return
+        raise KeyError(f"no variable {variable_id!r}")
+
+
+class OnnxRuntimeSession:
+    """onnxruntime on CPU for ONNX models (stateless: no variables)."""
+
+    backend = "onnxruntime"
+
+    def __init__(self, path: str | Path):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self._types = {i.name: _ORT_TYPES.get(i.type) for i in self.session.get_inputs()}
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.session.get_inputs()]
+
+    def infer(self, inputs):
+        missing = [n for n in self.input_names if n not in inputs]
+        if missing:
+            raise UsageError(f"missing input(s) {', '.join(missing)}")
+        feed = {n: np.asarray(inputs[n]).astype(self._types[n] or np.asarray(inputs[n]).dtype, copy=False)
+                for n in self.input_names}
+        names = [o.name for o in self.session.get_outputs()]
+        return TensorMap(((n,), v) for n, v in zip(names, self.session.run(names, feed)))
+
+    def reset(self) -> None:
+        pass
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def set_state(self, variable_id: str, value: np.ndarray) -> None:
+        raise KeyError("onnxruntime sessions have no variables")
+
+
+_ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+              "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
+
+BACKENDS = ("numpy", "openvino", "onnxruntime")
+
+
+def open_session(model: str | Path | ov.Model, backend: str = "numpy", *, device: str = "CPU",
+                 config: dict | None = None) -> Session:
+    """A session for `model` (path or `ov.Model`) on `backend`; `device`/`config` for OpenVINO."""
+    if backend == "onnxruntime":
+        if isinstance(model, ov.Model) or Path(model).suffix != ".onnx":
+            raise UsageError("the onnxruntime backend runs .onnx files")
+        return OnnxRuntimeSession(model)
+    if not isinstance(model, ov.Model):
+        from kvc.ir.reader import load
+
+        model = load(model)
+    if backend == "numpy":
+        return NumpySession(model)
+    if backend == "openvino":
+        return OpenVINOSession(model, device, config)
+    raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,44 @@
+"""Shared test helpers: tiny hand-built models and access to the committed fixtures."""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+
+from pathlib import Path
+
+from kvc import fixtures
+
+# Tests read the fixtures of this source tree, whether kvc is installed editable or not
+# (an installed package carries only the bundled model).
+fixtures.ROOT = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def tiny_model() -> ov.Model:
+    """y = relu(x @ W^T + b): small enough to corrupt by hand, real enough to load and run."""
+    x = ops.parameter([1, -1, 4], np.float32, name="x")
+    x.output(0).set_names({"x"})
+    w = ops.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 10, name="weight")
+    b = ops.constant(np.array([0.5, -0.5, 1.0], dtype=np.float32), name="bias")
+    mm = ops.matmul(x, w, False, True, name="linear")
+    add = ops.add(mm, b, name="add_bias")
+    y = ops.relu(add, name="relu")
+    y.output(0).set_names({"y"})
+    return ov.Model([y], [x], "tiny")
+
+
+@pytest.fixture
+def tiny() -> ov.Model:
+    return tiny_model()
+
+
+def fixture_names() -> list[str]:
+    """Every fixture; a missing one fails its tests rather than silently skipping them."""
+    return list(fixtures.MODELS)
+
+
+@pytest.fixture(params=fixture_names(), ids=str)
+def fixture_name(request) -> str:
+    return request.param

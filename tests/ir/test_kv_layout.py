@@ -1,0 +1,67 @@
+"""kv_layout finds every fixture's KV cache from the graph alone and matches its config."""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+
+import kvc.ir as ir
+from kvc import fixtures
+from kvc.errors import InvalidModelError
+
+
+@pytest.mark.parametrize("form", ["stateful", "stateless", "onnx"])
+def test_layout_matches_config(fixture_name, form):
+    cfg = fixtures.goldens(fixture_name)["config"]
+    layout = ir.kv_layout(ir.load(fixtures.path(fixture_name, form)))
+    assert layout.stateful == (form == "stateful")
+    assert layout.num_layers == cfg["num_hidden_layers"]
+    kv_heads = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
+    head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert [(t.layer, t.kind) for t in layout.tensors] == [
+        (i, k) for i in range(cfg["num_hidden_layers"]) for k in ("key", "value")]
+    for t in layout.tensors:
+        assert (t.batch_axis, t.seq_axis, t.heads, t.head_size) == (0, 2, kv_heads, head_dim), t
+        assert t.element_type == "f32"
+        if form == "stateful":
+            assert t.variable_id == f"past_key_values.{t.layer}.{t.kind}present.{t.layer}.{t.kind}"
+        else:
+            assert (t.input_name, t.output_name) == (f"past_key_values.{t.layer}.{t.kind}",
+                                                     f"present.{t.layer}.{t.kind}")
+
+
+def _seq_first_cache_model(seq_axis: int, names: bool) -> ov.Model:
+    """A one-layer stateless model with the cache laid out [S, B, H, D] (ChatGLM-style) and
+    optionally without optimum's names, so only attention wiring can label it."""
+    shape = [-1, -1, 2, 8] if seq_axis == 0 else [-1, 2, -1, 8]
+    q = ops.parameter([1, 2, 1, 8], np.float32, name="q")
+    past_k = ops.parameter(shape, np.float32, name="pk")
+    past_v = ops.parameter(shape, np.float32, name="pv")
+    new = ops.parameter([1, 1, 2, 8] if seq_axis == 0 else [1, 2, 1, 8], np.float32, name="new")
+    k = ops.concat([past_k, new], seq_axis)
+    v = ops.concat([past_v, new], seq_axis)
+    perm = ops.constant(np.array([1, 2, 0, 3] if seq_axis == 0 else [0, 1, 2, 3], np.int64))
+    attn = ops.scaled_dot_product_attention(q, ops.transpose(k, perm), ops.transpose(v, perm), causal=False)
+    for node, n in ((past_k, "cache_a"), (past_v, "cache_b"), (q, "q"), (new, "new")):
+        node.output(0).set_names({f"past_key_values.0.{'key' if n == 'cache_a' else 'value'}"
+                                  if names and n.startswith("cache") else n})
+    k.output(0).set_names({"out_a"})
+    v.output(0).set_names({"out_b"})
+    return ov.Model([attn, k, v], [q, past_k, past_v, new], "m")
+
+
+def test_sequence_first_layout_and_attention_wiring():
+    layout = ir.kv_layout(_seq_first_cache_model(seq_axis=0, names=False))
+    key, value = layout.tensors
+    assert (key.kind, key.input_name, key.output_name) == ("key", "cache_a", "out_a")
+    assert (value.kind, value.input_name) == ("value", "cache_b")
+    assert (key.seq_axis, key.batch_axis, key.heads, key.head_size) == (0, 1, 2, 8)
+
+
+def test_model_without_kv_cache_is_a_clear_error(tiny):
+    with pytest.raises(InvalidModelError) as info:
+        ir.kv_layout(tiny)
+    assert info.value.code == "no-kv-cache"
+    assert "found 1 inputs (x)" in str(info.value)
