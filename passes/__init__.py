@@ -1,0 +1,35 @@
+"""Graph transformations: one module per pass, a registry, and the PassManager.
+
+Passes are frozen dataclasses whose fields are their options (`kvc.passes.base`); a pipeline
+can be written as text (`parse_pipeline("lift-state{beam=keep},fuse-kvcache")`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from kvc.passes.base import Pass, PassFailure, PassResult
+from kvc.passes.manager import Instrumentation, PassManager, PipelineRun
+from kvc.passes.registry import format_pipeline, get_pass, parse_pipeline, registered
+
+PASS_MODULES = ("lift_state", "fuse_kvcache", "lower_kvcache")
+
+# What `kvc compile` runs before static shaping: lift the state into inputs/outputs.
+DEFAULT_PIPELINE = "lift-state"
+
+
+@functools.cache
+def load_all() -> None:
+    """Import every pass module so each registers itself."""
+    for module in PASS_MODULES:
+        importlib.import_module(f"kvc.passes.{module}")
+
+
+def default_pipeline() -> list[Pass]:
+    return parse_pipeline(DEFAULT_PIPELINE)
+
+
+__all__ = ["Pass", "PassResult", "PassFailure", "PassManager", "Instrumentation", "PipelineRun",
+           "parse_pipeline", "format_pipeline", "get_pass", "registered", "default_pipeline",
+           "DEFAULT_PIPELINE"]

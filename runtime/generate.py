@@ -17,7 +17,15 @@ import numpy as np
 from kvc.errors import UsageError
 from kvc.runtime.session import Session
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key_value|key|value)$")
+# Inputs a stateless model gets back from its own outputs: the KV cache and kvc's beam table.
+_PAST = re.compile(r"^(past_key_values\.(\d+)\.(key_value|key|value)|past_beam_table)$")
+
+
+def present_name(past: str) -> str:
+    """The output that feeds an input next step: past_key_values.N.key <- present.N.key,
+    past_beam_table <- present_beam_table."""
+    return past.replace("past_key_values", "present", 1) if past.startswith("past_key_values") \
+        else past.replace("past_", "present_", 1)
 
 
 @dataclass
@@ -68,6 +76,8 @@ def _empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
 
 def _zero_len(name: str, dims: list, batch: int, dtype) -> np.ndarray:
     """Dynamic dims: the first is batch, the last dynamic one is the (empty) sequence."""
+    if name == "past_beam_table":
+        return np.zeros((batch, 0), np.int32)
     dyn = [i for i, d in enumerate(dims) if d is None]
     if len(dyn) < 2:
         raise UsageError(f"cannot tell batch and sequence axes of {name} {dims}")
@@ -101,7 +111,7 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         gen.tokens.append(token)
         gen.logits.append(np.array(last, copy=True))
         if stateless:
-            past = {name: out[name.replace("past_key_values", "present")] for name in past}
+            past = {name: out[present_name(name)] for name in past}
         past_len += step_ids.shape[1]
         step_ids = np.array([[token]], dtype=np.int64)
     return gen

@@ -16,6 +16,11 @@ from kvc import fixtures
 fixtures.ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="rewrite the golden IR texts (tests/passes/goldens) from current output; review the diff")
+
+
 def tiny_model() -> ov.Model:
     """y = relu(x @ W^T + b): small enough to corrupt by hand, real enough to load and run."""
     x = ops.parameter([1, -1, 4], np.float32, name="x")

@@ -1,0 +1,96 @@
+"""What every pass is: a small frozen dataclass whose fields are its options.
+
+    @register_pass
+    @dataclass(frozen=True)
+    class LiftState(Pass):
+        name: ClassVar[str] = "lift-state"
+        beam: str = option("drop", choices=("drop", "keep"), help="...")
+
+        def run(self, model: ov.Model) -> PassResult: ...
+
+A pass rewrites the model in place (OpenVINO's own convention) and says whether it changed
+anything. A pass that cannot apply raises `PassFailure` naming itself, the node (type,
+friendly name, tensor names) and why; the PassManager adds the passes that ran before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import openvino as ov
+
+from kvc.errors import PassError
+
+
+@dataclass(frozen=True)
+class PassResult:
+    model: ov.Model
+    changed: bool
+
+
+def option(default: Any, *, help: str, choices: tuple | None = None) -> Any:
+    """A pass option: a dataclass field with its help text and allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def describe_node(node: ov.Node) -> str:
+    """`Type 'friendly name' (tensors a, b)`: how errors and logs point at a node."""
+    names = sorted({n for o in node.outputs() for n in o.get_names()})
+    text = f"{node.get_type_name()} '{node.get_friendly_name()}'"
+    return text + (f" (tensors {', '.join(names)})" if names else "")
+
+
+class PassFailure(PassError):
+    """A pass cannot apply to this model."""
+
+    def __init__(self, pass_name: str, reason: str, node: ov.Node | None = None):
+        self.pass_name = pass_name
+        self.node = describe_node(node) if node is not None else None
+        self.reason = reason
+        self.context: list[str] = []  # lines the PassManager adds (passes before, dump path)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f" at {self.node}" if self.node else ""
+        return "\n".join([f"pass {self.pass_name} failed{where}: {self.reason}", *self.context])
+
+    def add_context(self, line: str) -> None:
+        self.context.append(line)
+        self.args = (self._message(),)
+
+    def __str__(self) -> str:
+        return self._message()
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of every pass; subclasses set `name` and implement `run`."""
+
+    name: ClassVar[str] = ""
+
+    def run(self, model: ov.Model) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fail(self, reason: str, node: ov.Node | None = None) -> PassFailure:
+        return PassFailure(self.name, reason, node)
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spec(self) -> str:
+        """The pass as pipeline text; options equal to their default are left out."""
+        changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default}
+        if not changed:
+            return self.name
+        return self.name + "{" + ",".join(f"{k}={_format_option(v)}" for k, v in changed.items()) + "}"
+
+
+def _format_option(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (tuple, list)):
+        return ":".join(str(x) for x in v)
+    return str(v)
