@@ -44,7 +44,7 @@ def _step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, 
         "position_ids": np.broadcast_to(np.arange(past_len, past_len + n, dtype=np.int64), (batch, n)).copy(),
         "beam_idx": np.arange(batch, dtype=np.int32),
     }
-    return {k: v for k, v in full.items() if k in session.input_names}
+    return {k: v for k, v in full.items() if session.has_input(k)}
 
 
 def _empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:

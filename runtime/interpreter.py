@@ -20,7 +20,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import KvcError
-from kvc.ir.naming import name_model
+from kvc.ir.naming import best_tensor_name, name_model
 from kvc.runtime.ops import load_all
 from kvc.runtime.ops.registry import lookup, spec_of, to_dtype
 from kvc.runtime.ops.lowbit import constant_array
@@ -95,12 +95,14 @@ class TensorMap(Mapping):
         return name in self._alias
 
 
-def port_names(port) -> tuple[str, ...]:
-    """A port's tensor names, the one OpenVINO reports first (get_any_name) leading."""
-    names = port.get_names()
+def port_names(port, source=None) -> tuple[str, ...]:
+    """A port's tensor names, the primary one first: the source model port's name when given
+    (compiled ports gain internal names), else the most readable (`best_tensor_name`)."""
+    names = set(port.get_names())
     if not names:
         return (f"<output {port.get_index()}>",)
-    first = port.get_any_name()
+    preferred = source.get_names() & names if source is not None else set()
+    first = best_tensor_name(preferred or names)
     return (first, *sorted(n for n in names if n != first))
 
 

@@ -32,6 +32,8 @@ class Session(Protocol):
     @property
     def input_names(self) -> list[str]: ...
 
+    def has_input(self, name: str) -> bool: ...
+
     def infer(self, inputs: Mapping[str, np.ndarray]) -> TensorMap: ...
 
     def reset(self) -> None: ...
@@ -52,6 +54,9 @@ class NumpySession:
     @property
     def input_names(self) -> list[str]:
         return self.interpreter.input_names()
+
+    def has_input(self, name: str) -> bool:
+        return any(name in names for names, _, _ in self.interpreter._inputs)
 
     def infer(self, inputs, *, trace=False):
         return self.interpreter.run(inputs, trace=trace)
@@ -90,12 +95,20 @@ class OpenVINOSession:
                 raise DeviceError(f"cannot compile for {device}: {_first_line(exc)}") from None
         self.device = device
         self.request = self.compiled.create_infer_request()
-        self._inputs = [(port_names(p), p) for p in self.compiled.inputs]
-        self._outputs = [port_names(p) for p in self.compiled.outputs]
+        # Compiling adds internal tensor names to ports (e.g. "81" beside "input_ids"); the
+        # model's own names lead when we have the model.
+        source = model if isinstance(model, ov.Model) else None
+        self._inputs = [(port_names(p, source.inputs[i] if source else None), p)
+                        for i, p in enumerate(self.compiled.inputs)]
+        self._outputs = [port_names(p, source.outputs[i] if source else None)
+                         for i, p in enumerate(self.compiled.outputs)]
 
     @property
     def input_names(self) -> list[str]:
         return [names[0] for names, _ in self._inputs]
+
+    def has_input(self, name: str) -> bool:
+        return any(name in names for names, _ in self._inputs)
 
     def infer(self, inputs):
         feed = {i: bind_input(names, port, inputs) for i, (names, port) in enumerate(self._inputs)}
@@ -136,6 +149,9 @@ class OnnxRuntimeSession:
     @property
     def input_names(self) -> list[str]:
         return [i.name for i in self.session.get_inputs()]
+
+    def has_input(self, name: str) -> bool:
+        return name in self._types
 
     def infer(self, inputs):
         missing = [n for n in self.input_names if n not in inputs]

@@ -1,0 +1,125 @@
+"""Build the static model set of a pipeline: one prefill model and sized generate variants.
+
+    loaded model ──common passes (lift-state, ...)──► lifted model
+                    ├─ static-shape{prefill} → kv-io → lower-kvcache ─► "prefill"
+                    └─ static-shape{generate T} → kv-io → lower-kvcache ─► "generate-T" (per T)
+
+Each branch starts from a clone of the lifted model; OpenVINO clones share Constant data, so
+the weights exist once in memory (memory-mapped from the input file) whatever the number of
+variants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openvino as ov
+
+from kvc.ir.kv_discovery import kv_layout
+from kvc.passes import Instrumentation, PassManager, parse_pipeline
+from kvc.passes.manager import PassRecord
+from kvc.passes.static_shape import LengthPlan, plan_lengths
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """What `kvc compile` asks of the static pipeline (names follow NPUW's properties)."""
+
+    max_prompt_len: int = 1024
+    min_response_len: int = 128
+    prefill_chunk_size: int = 0
+    variants: str | tuple[int, ...] = "single"
+    kv_precision: str = "f32"
+    transpose_v: bool = False
+    slice_logits: bool = False
+    beam: str = "drop"
+    passes: str | None = None  # the common pipeline; default: lift-state{beam=<beam>}
+
+    def common_pipeline(self) -> str:
+        return self.passes or ("lift-state" if self.beam == "drop" else f"lift-state{{beam={self.beam}}}")
+
+    def kv_io(self, prefill: bool) -> str:
+        opts = [f"kv_type={self.kv_precision}"]
+        if self.transpose_v:
+            opts.append("transpose_v=true")
+        if prefill and self.slice_logits:
+            opts.append("slice_logits=true")
+        return "kv-io{" + ",".join(opts) + "}"
+
+    def plan(self) -> LengthPlan:
+        return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """One cache tensor as the static models store it (after kv-io)."""
+
+    input: str  # past_key_values.N.key
+    output: str  # present.N.key
+    layer: int
+    kind: str
+    seq_axis: int
+    element_type: str
+    shape: tuple[int, ...]  # with the sequence axis at full capacity (largest variant's past)
+
+    def to_dict(self) -> dict:
+        return {"input": self.input, "output": self.output, "layer": self.layer, "kind": self.kind,
+                "seq_axis": self.seq_axis, "element_type": self.element_type, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVSpec":
+        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
+
+
+@dataclass
+class StaticModels:
+    plan: LengthPlan
+    models: dict[str, ov.Model]
+    kv: list[KVSpec]
+    pipelines: dict[str, str] = field(default_factory=dict)  # model name -> pipeline text it went through
+    records: dict[str, list[PassRecord]] = field(default_factory=dict)
+
+    @property
+    def generate_names(self) -> dict[int, str]:
+        return {int(n.split("-", 1)[1]): n for n in self.models if n.startswith("generate-")}
+
+
+def _branch_instrumentation(base: Instrumentation | None, sub: str) -> Instrumentation | None:
+    if base is None:
+        return None
+    dump = Path(base.dump_dir) / sub if base.dump_dir is not None else None
+    return Instrumentation(base.print_before, base.print_after, base.after_change, base.print_diff, dump, base.stream)
+
+
+def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
+                 instrumentation: Instrumentation | None = None, *, use_env: bool = True) -> StaticModels:
+    """Run the common passes once, then one branch per static model. `model` is consumed."""
+    plan = options.plan()
+    common = options.common_pipeline()
+    run = PassManager(parse_pipeline(common), _branch_instrumentation(instrumentation, "common"),
+                      use_env=use_env).run(model)
+    lifted = run.model
+    layout = kv_layout(lifted)
+    branches = {"prefill": (f"static-shape{{kind=prefill,prompt={plan.prompt},chunk={plan.chunk}}},"
+                            f"mask-positions,{options.kv_io(prefill=True)},lower-kvcache")}
+    for size in plan.sizes:
+        branches[f"generate-{size}"] = (f"static-shape{{kind=generate,size={size},tokens={plan.tokens}}},"
+                                        f"mask-positions,{options.kv_io(prefill=False)},lower-kvcache")
+    result = StaticModels(plan, {}, [], records={"common": run.records})
+    for name, pipeline in branches.items():
+        branch = PassManager(parse_pipeline(pipeline), _branch_instrumentation(instrumentation, name),
+                             use_env=use_env).run(lifted.clone())
+        result.models[name] = branch.model
+        result.pipelines[name] = f"{common},{pipeline}"
+        result.records[name] = branch.records
+    largest = result.models[f"generate-{plan.sizes[-1]}"]
+    ports = {p.get_any_name(): p for p in largest.inputs}
+    for t in layout.tensors:
+        past = ports[t.input_name]
+        seq = t.seq_axis
+        if options.transpose_v and t.kind == "value":
+            seq = len(past.get_partial_shape()) - 1
+        result.kv.append(KVSpec(t.input_name, t.output_name, t.layer, t.kind, seq,
+                                past.get_element_type().get_type_name(), tuple(past.get_shape())))
+    return result

@@ -1,0 +1,179 @@
+"""kv-io: rewrite a static model's KV inputs and outputs to the NPU's contract (REFERENCE.md §4).
+
+* empty past inputs (a non-chunked prefill's, length 0) are removed: ``Concat(empty, new)`` is
+  ``new``, and ``ShapeOf(past)`` becomes the constant shape it now is;
+* present outputs of a model with a past (chunked prefill, generate) carry only this step's
+  rows, as NPUW's RedirectNewKvToOutput does, so a step copies rows, not the cache;
+* ``kv_type=f16``: KV inputs and outputs stored as f16 (converted at the boundary);
+* ``transpose_v=true``: value tensors with the sequence axis last (``[B, H, D, S]``);
+* ``slice_logits=true``: a prefill returns the logits of its last position only.
+
+Names of every input and output are kept. Runs on the lifted form with Concat (or KVCache
+without an indirect beam table) between each past input and its present output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from kvc.ir.kv_discovery import KVTensor, kv_layout
+from kvc.passes.base import Pass, PassResult, option
+from kvc.passes.fuse_kvcache import take_over
+from kvc.passes.lift_state import set_name
+from kvc.passes.registry import register_pass
+
+
+@dataclass
+class _Cache:
+    tensor: KVTensor
+    param: ov.Node
+    update: ov.Node  # the Concat or KVCache appending this step's rows
+    result: ov.Node
+
+
+def _caches(model: ov.Model, fail) -> list[_Cache]:
+    layout = kv_layout(model)
+    params = {p.output(0).get_any_name(): p for p in model.get_parameters()}
+    results = {model.output(i).get_any_name(): r for i, r in enumerate(model.get_results())}
+    found = []
+    for t in layout.tensors:
+        param = params[t.input_name]
+        result = results.get(t.output_name)
+        if result is None:
+            raise fail(f"KV input {t.input_name} has no matching output {t.output_name}", param)
+        update = result.input_value(0).get_node()
+        if update.get_type_name() == "Convert":
+            update = update.input_value(0).get_node()
+        if update.get_type_name() not in ("Concat", "KVCache") or update.get_input_size() < 2:
+            raise fail(f"output {t.output_name} is not a Concat/KVCache of its past and new rows", update)
+        if update.get_type_name() == "KVCache" and update.get_attributes()["indirect"]:
+            raise fail("an indirect KVCache has no place in the batch-1 static contract; fuse with beam=gather",
+                       update)
+        found.append(_Cache(t, param, update, result))
+    return found
+
+
+def _seq_last_perm(rank: int, seq: int) -> list[int]:
+    return [a for a in range(rank) if a != seq] + [seq]
+
+
+@register_pass
+@dataclass(frozen=True)
+class KVIO(Pass):
+    """Shape the KV inputs/outputs of a static model the way the NPU plugin expects them."""
+
+    name: ClassVar[str] = "kv-io"
+    kv_type: str = option("f32", choices=("f32", "f16"), help="element type of KV inputs and outputs")
+    transpose_v: bool = option(False, help="store values as [B, H, D, S] (sequence last)")
+    slice_logits: bool = option(False, help="prefill: return only the last position's logits")
+    new_rows_only: bool = option(True, help="present outputs carry only this step's rows when there is a past")
+
+    def run(self, model: ov.Model) -> PassResult:
+        caches = _caches(model, self.fail)
+        changed = False
+        for c in caches:
+            past_len = c.param.get_output_partial_shape(0)[c.tensor.seq_axis].get_length()
+            if past_len == 0:
+                self._remove_empty_past(model, c)
+                changed = True
+            elif self.new_rows_only:
+                self._present_new_rows(c)
+                changed = True
+        for c in caches:
+            if self.kv_type != c.result.get_output_element_type(0).get_type_name() or (
+                    self.transpose_v and c.tensor.kind == "value"):
+                changed |= self._retype(model, c)
+        if self.slice_logits and self._slice_logits(model):
+            changed = True
+        if changed:
+            model.validate_nodes_and_infer_types()
+        return PassResult(model, changed)
+
+    # -- empty past ----------------------------------------------------------------------
+    def _remove_empty_past(self, model: ov.Model, c: _Cache) -> None:
+        out = c.param.output(0)
+        new_rows = c.update.input_value(1)
+        for target in list(out.get_target_inputs()):
+            user = target.get_node()
+            if user.get_type_name() == "ShapeOf":
+                shape = np.array(c.param.get_output_shape(0), dtype=user.get_output_element_type(0).to_dtype())
+                take_over(user.output(0), ops.constant(shape).output(0))
+            elif user == c.update or (user.get_type_name() == "Gather" and
+                                      all(t.get_node() == c.update for t in user.output(0).get_target_inputs())):
+                continue
+            else:
+                raise self.fail(f"the empty past {c.tensor.input_name} feeds {user.get_type_name()} "
+                                f"'{user.get_friendly_name()}'; it cannot be removed", user)
+        take_over(c.update.output(0), new_rows)
+        model.remove_parameter(c.param)
+        c.param = None  # type: ignore[assignment]
+
+    # -- present = new rows ----------------------------------------------------------------
+    def _present_new_rows(self, c: _Cache) -> None:
+        stored = c.result.input_value(0)
+        new_rows = c.update.input_value(1)
+        if stored.get_node().get_type_name() == "Convert":  # keep the output's element type
+            new_rows = ops.convert(new_rows, stored.get_element_type()).output(0)
+        _reroute(c.result, new_rows)
+
+    # -- element type and value layout -------------------------------------------------------
+    def _retype(self, model: ov.Model, c: _Cache) -> bool:
+        etype = ov.Type.f16 if self.kv_type == "f16" else ov.Type.f32
+        transpose = self.transpose_v and c.tensor.kind == "value"
+        t = c.tensor
+        rank = len(c.result.get_output_partial_shape(0))
+        perm = _seq_last_perm(rank, t.seq_axis)
+        inverse = list(np.argsort(perm))
+        if c.param is not None:
+            old = c.param.output(0)
+            shape = c.param.get_output_partial_shape(0)
+            new_shape = ov.PartialShape([shape[a] for a in perm]) if transpose else shape
+            param = ops.parameter(new_shape, etype)
+            set_name(param.output(0), t.input_name)
+            value = param.output(0)
+            if transpose:
+                value = ops.transpose(value, ops.constant(np.array(inverse, np.int64))).output(0)
+            if etype != old.get_element_type():
+                value = ops.convert(value, old.get_element_type()).output(0)
+            for target in list(old.get_target_inputs()):
+                target.replace_source_output(value)
+            model.replace_parameter(model.get_parameter_index(c.param), param)
+            c.param = param
+        value = c.result.input_value(0)
+        if transpose:
+            value = ops.transpose(value, ops.constant(np.array(perm, np.int64))).output(0)
+        if etype != value.get_element_type():
+            value = ops.convert(value, etype).output(0)
+        _reroute(c.result, value)
+        return True
+
+    # -- logits ------------------------------------------------------------------------------
+    def _slice_logits(self, model: ov.Model) -> bool:
+        for i, result in enumerate(model.get_results()):
+            if "logits" not in model.output(i).get_names():
+                continue
+            shape = result.get_output_partial_shape(0)
+            if shape[1].get_length() == 1:
+                return False
+            last = ops.slice(result.input_value(0), ops.constant(np.array([-1], np.int64)),
+                             ops.constant(np.array([np.iinfo(np.int64).max], np.int64)),
+                             ops.constant(np.array([1], np.int64)), ops.constant(np.array([1], np.int64)))
+            last.set_friendly_name("logits/last_position")
+            _reroute(result, last.output(0))
+            return True
+        raise self.fail("slice_logits: the model has no output named logits")
+
+
+def _reroute(result: ov.Node, value: ov.Output) -> None:
+    """Make a Result return `value`, moving the output's names along (a model output keeps its
+    name; the tensor it used to return loses it)."""
+    old = result.input_value(0)
+    names = old.get_names()
+    result.input(0).replace_source_output(value)
+    old.get_tensor().set_names(set())
+    value.get_tensor().set_names(names)

@@ -1,0 +1,172 @@
+"""Greedy generation through static models, exactly as the NPU plugin drives them (REFERENCE.md §4).
+
+* Prefill is right-aligned (left-padded): a prompt of n ≤ P tokens sits in the last n slots;
+  its valid cache rows are `present[P-n:P]`. Chunked prefill feeds C tokens at a time with
+  a past of P - C slots; a partial last chunk is left-padded the same way.
+* One KV buffer per cache tensor, sized for the largest variant; every variant reads a
+  prefix of it (the past is left-aligned: rows `[0:num_stored]` are valid), so switching
+  variants copies nothing.
+* Generate starts on the smallest variant T with T >= n + R; each step feeds one token with
+  mask ones over `[0:num_stored]` and the last slot, then writes the present row at
+  `num_stored`. When a variant's past is full the next larger one takes over.
+* A prompt longer than P, or more tokens than the largest variant holds, is an error that
+  quotes the effective numbers; nothing is truncated or wrapped silently.
+
+Capacity: a step of variant T attends over T positions (T - 1 past, 1 new), so a prompt of n
+tokens can be followed by at most T_max - n + 1 generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvc.errors import UsageError
+from kvc.export.build import KVSpec
+from kvc.passes.static_shape import LengthPlan
+from kvc.runtime.generate import Generation
+from kvc.runtime.ops.registry import to_dtype
+from kvc.runtime.session import Session
+
+
+class PromptTooLongError(UsageError):
+    """The prompt does not fit the compiled prefill."""
+
+
+class CapacityError(UsageError):
+    """Generation would run past the KV capacity of the largest variant."""
+
+
+@dataclass
+class StaticGeneration(Generation):
+    variants: list[int] = field(default_factory=list)  # variant size used by each generate step
+    prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
+
+
+def max_new_tokens(plan: LengthPlan, prompt_len: int) -> int:
+    """How many tokens can follow a prompt of `prompt_len` tokens."""
+    return plan.capacity - prompt_len + 1
+
+
+class StaticPipeline:
+    """Drives one prefill session and generate sessions by size over one shared KV buffer."""
+
+    def __init__(self, prefill: Session, generate: dict[int, Session], plan: LengthPlan, kv: list[KVSpec],
+                 pad_token: int = 0):
+        if sorted(generate) != sorted(plan.sizes):
+            raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(plan.sizes)}")
+        self.prefill, self.generate_sessions, self.plan, self.kv = prefill, generate, plan, kv
+        self.pad_token = pad_token
+        self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in kv}
+
+    # -- buffer views ------------------------------------------------------------------------
+    def _rows(self, spec: KVSpec, start: int, stop: int) -> tuple:
+        index = [slice(None)] * len(spec.shape)
+        index[spec.seq_axis] = slice(start, stop)
+        return tuple(index)
+
+    def past_view(self, spec: KVSpec, length: int) -> np.ndarray:
+        """The first `length` rows of the shared buffer: what a variant with that past reads."""
+        return self.buffers[spec.input][self._rows(spec, 0, length)]
+
+    def _store(self, spec: KVSpec, rows: np.ndarray, at: int, take: slice | None = None) -> None:
+        if take is not None:
+            src = [slice(None)] * rows.ndim
+            src[spec.seq_axis] = take
+            rows = rows[tuple(src)]
+        n = rows.shape[spec.seq_axis]
+        self.buffers[spec.input][self._rows(spec, at, at + n)] = rows
+
+    # -- steps -----------------------------------------------------------------------------
+    def _feed(self, session: Session, ids, mask, positions, past_len: int | None) -> dict:
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                "beam_idx": np.zeros(1, np.int32)}
+        feed = {k: v for k, v in feed.items() if session.has_input(k)}
+        if past_len is not None:
+            for spec in self.kv:
+                feed[spec.input] = self.past_view(spec, past_len)
+        return feed
+
+    def _prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Fill the cache with the prompt; return the last position's logits and the prompt's."""
+        P, C, n = self.plan.prompt, self.plan.chunk, len(prompt)
+        if not C:
+            ids = np.full((1, P), self.pad_token, np.int64)
+            ids[0, P - n:] = prompt
+            mask = np.zeros((1, P), np.int64)
+            mask[0, P - n:] = 1
+            pos = np.zeros((1, P), np.int64)
+            pos[0, P - n:] = np.arange(n)
+            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos, None))
+            for spec in self.kv:
+                self._store(spec, out[spec.output], 0, slice(P - n, P))
+            logits = out["logits"][0]
+            return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
+        stored, rows = 0, []
+        for start in range(0, n, C):
+            chunk = prompt[start:start + C]
+            k = len(chunk)
+            ids = np.full((1, C), self.pad_token, np.int64)
+            ids[0, C - k:] = chunk
+            mask = np.zeros((1, P), np.int64)
+            mask[0, :stored] = 1
+            mask[0, P - k:] = 1
+            pos = np.zeros((1, C), np.int64)
+            pos[0, C - k:] = np.arange(stored, stored + k)
+            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos, P - C))
+            for spec in self.kv:
+                self._store(spec, out[spec.output], stored, slice(C - k, C))
+            logits = out["logits"][0]
+            rows.append(logits[C - k:] if logits.shape[0] == C else None)
+            stored += k
+        prompt_logits = None if any(r is None for r in rows) else np.concatenate(rows)
+        return logits[-1], prompt_logits
+
+    def generate(self, prompt, new_tokens: int) -> StaticGeneration:
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        n, plan = len(prompt), self.plan
+        if n == 0:
+            raise UsageError("the prompt is empty")
+        if n > plan.prompt:
+            raise PromptTooLongError(
+                f"prompt of {n} tokens does not fit: the prefill model takes at most {plan.prompt} "
+                f"(max prompt length {plan.prompt}, chunk {plan.chunk or 'none'})")
+        limit = max_new_tokens(plan, n)
+        if new_tokens > limit:
+            raise CapacityError(
+                f"{new_tokens} new tokens after a {n}-token prompt exceed the KV capacity: the largest "
+                f"generate variant holds {plan.capacity} positions (P {plan.prompt} + R {plan.response}), "
+                f"so at most {limit} tokens can follow this prompt")
+        for buf in self.buffers.values():
+            buf[...] = 0
+        gen = StaticGeneration(prompt=[int(t) for t in prompt])
+        last, gen.prompt_logits = self._prefill(prompt)
+        gen.first_logits = gen.prompt_logits
+        stored = n
+        token = int(np.argmax(last))
+        gen.tokens.append(token)
+        gen.logits.append(np.array(last, copy=True))
+        sizes = sorted(self.generate_sessions)
+        variant = next((s for s in sizes if s >= n + plan.response), sizes[-1])
+        G = plan.tokens
+        rows = plan.capacity - G  # the shared buffer's length
+        while len(gen.tokens) < new_tokens:
+            if stored > variant - G:  # this variant's past is full: move up, nothing to copy
+                variant = next(s for s in sizes if s - G >= stored)
+            session = self.generate_sessions[variant]
+            mask = np.zeros((1, variant), np.int64)
+            mask[0, :stored] = 1
+            mask[0, variant - G:] = 1
+            out = session.infer(self._feed(session, np.array([[token]], np.int64), mask,
+                                           np.array([[stored]], np.int64), variant - G))
+            if stored + G <= rows:  # the last step's row is never read again
+                for spec in self.kv:
+                    self._store(spec, out[spec.output], stored)
+            stored += G
+            last = out["logits"][0, -1]
+            token = int(np.argmax(last))
+            gen.tokens.append(token)
+            gen.logits.append(np.array(last, copy=True))
+            gen.variants.append(variant)
+        return gen
