@@ -20,6 +20,7 @@ from kvc.ir.kv_discovery import kv_layout
 from kvc.passes import Instrumentation, PassManager, parse_pipeline
 from kvc.passes.manager import PassRecord
 from kvc.passes.static_shape import LengthPlan, plan_lengths
+from kvc.runtime.static_pipeline import KVSpec
 
 
 @dataclass(frozen=True)
@@ -49,27 +50,6 @@ class StaticOptions:
 
     def plan(self) -> LengthPlan:
         return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants)
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """One cache tensor as the static models store it (after kv-io)."""
-
-    input: str  # past_key_values.N.key
-    output: str  # present.N.key
-    layer: int
-    kind: str
-    seq_axis: int
-    element_type: str
-    shape: tuple[int, ...]  # with the sequence axis at full capacity (largest variant's past)
-
-    def to_dict(self) -> dict:
-        return {"input": self.input, "output": self.output, "layer": self.layer, "kind": self.kind,
-                "seq_axis": self.seq_axis, "element_type": self.element_type, "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "KVSpec":
-        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
 
 
 @dataclass

@@ -201,3 +201,18 @@ def _base_name(node: ov.Node, naming: Naming) -> tuple[str, bool]:
     for name in naming.input_names(node):
         h.update(f"|<{name}".encode())
     return f"{tname}#{h.hexdigest()}", True
+
+
+def canonicalize_friendly_names(model: ov.Model) -> int:
+    """Replace counter-made friendly names (``Constant_2638``) by the node's stable name, so
+    a saved file does not depend on which process built the model. Returns how many changed.
+
+    Friendly names carry no semantics (inputs and outputs are found by tensor name), and
+    the text form prints the same before and after."""
+    naming = name_model(model)
+    changed = 0
+    for node in naming.order:
+        if is_counter_name(node.get_friendly_name()):
+            node.set_friendly_name(naming.key[node])
+            changed += 1
+    return changed

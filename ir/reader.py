@@ -77,15 +77,26 @@ def _resolve_dir(d: Path) -> ModelFiles:
                             found=", ".join(found) or "no model files")
 
 
-def load(path: str | Path, *, validate: bool = True) -> ov.Model:
-    """Read a model after validating its files; the model's friendly name is kept as exported."""
+def load(path: str | Path, *, weights: str | Path | None = None, validate: bool = True) -> ov.Model:
+    """Read a model after validating its files; the model's friendly name is kept as exported.
+
+    `weights` names the IR's weights file when it is not `<stem>.bin` beside the `.xml` (the
+    shared `weights.bin` of a compiled directory); it must stay inside the model's directory.
+    """
     files = resolve(path)
+    if weights is not None:
+        if files.kind != "ir":
+            raise InvalidModelError("unknown-format", str(files.model), "a weights file applies to an IR (.xml) only")
+        files = ModelFiles("ir", files.model, check_inside(Path(weights), files.root, str(files.model),
+                                                           "weights file"), files.root)
     if validate:
         if files.kind == "ir":
             validate_ir(files.model, files.weights)
         else:
             validate_onnx(files.model)
     try:
+        if files.kind == "ir" and files.weights is not None and files.weights.exists():
+            return core().read_model(str(files.model), str(files.weights))
         return core().read_model(str(files.model))
     except RuntimeError as exc:
         # Validation passed, so this is a semantic problem (unknown op, bad attribute).

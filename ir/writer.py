@@ -59,10 +59,16 @@ def write_bytes_atomic(target: str | Path, data: bytes) -> None:
 
 
 def save(model: ov.Model, path: str | Path) -> Path:
-    """Save `model` as `path` (an `.xml`) and its `.bin`, atomically and without fp16 compression."""
+    """Save `model` as `path` (an `.xml`) and its `.bin`, atomically and without fp16 compression.
+
+    Counter-made friendly names are first replaced by stable ones
+    (`canonicalize_friendly_names`), so the bytes do not depend on the writing process."""
+    from kvc.ir.naming import canonicalize_friendly_names
+
     xml = Path(path)
     if xml.suffix != ".xml":
         raise UsageError(f"{xml}: an OpenVINO IR is saved as an .xml file (with its .bin beside it)")
+    canonicalize_friendly_names(model)
     xml.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{xml.stem}.", dir=xml.parent))
     try:

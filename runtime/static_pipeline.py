@@ -23,11 +23,31 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvc.errors import UsageError
-from kvc.export.build import KVSpec
 from kvc.passes.static_shape import LengthPlan
 from kvc.runtime.generate import Generation
 from kvc.runtime.ops.registry import to_dtype
 from kvc.runtime.session import Session
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """One cache tensor as the static models store it (after kv-io)."""
+
+    input: str  # past_key_values.N.key
+    output: str  # present.N.key
+    layer: int
+    kind: str
+    seq_axis: int
+    element_type: str
+    shape: tuple[int, ...]  # with the sequence axis at full capacity (largest variant's past)
+
+    def to_dict(self) -> dict:
+        return {"input": self.input, "output": self.output, "layer": self.layer, "kind": self.kind,
+                "seq_axis": self.seq_axis, "element_type": self.element_type, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVSpec":
+        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
 
 
 class PromptTooLongError(UsageError):

@@ -1,0 +1,192 @@
+"""`kvc compile` as a library call: model in, complete compiled directory out (or nothing).
+
+    OUT/prefill.xml, OUT/generate-<T>.xml   static IR, all reading OUT/weights.bin
+    OUT/weights.bin                          every weight once
+    OUT/<model>.<DEVICE>.blob                compiled blobs (CPU: weightless, reads weights.bin)
+    OUT/dumps/                               pass-by-pass IR dumps, when asked for
+    OUT/manifest.json                        written last (kvc.export.manifest)
+
+Everything is written into a temporary sibling directory that is renamed to OUT only when
+complete, so OUT is either the whole result or absent; a failed verification publishes
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kvc import __version__
+from kvc.errors import DeviceError, UsageError, VerificationError
+from kvc.export.build import StaticModels, StaticOptions, build_static
+from kvc.export.manifest import FORMAT, MANIFEST, dumps, openvino_version, port_table, sha256_file
+from kvc.ir.bundle import WEIGHTS_FILE, save_bundle
+from kvc.ir.reader import core, load, resolve
+from kvc.ir.writer import fsync_dir, write_bytes_atomic
+from kvc.passes import Instrumentation
+from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG, NumpySession, open_session
+
+DEVICES = ("CPU", "NPU")
+
+
+def device_config(device: str, *, for_export: bool) -> dict:
+    """How kvc compiles for a device: CPU exact f32 and weightless blobs; NPU through the real
+    plugin when an NPU is present, else through NPUW with CPU as its backend."""
+    if device == "CPU":
+        return {**EXACT_CPU_CONFIG, **({"CACHE_MODE": "OPTIMIZE_SIZE"} if for_export else {})}
+    if device == "NPU":
+        return {} if "NPU" in core().available_devices else dict(NPUW_CPU_CONFIG)
+    raise UsageError(f"unknown device {device!r}; kvc compiles for {', '.join(DEVICES)}")
+
+
+def blob_name(model: str, device: str) -> str:
+    return f"{model}.{device}.blob"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    static: StaticOptions = StaticOptions()
+    devices: tuple[str, ...] = ("CPU",)
+    verify: bool = True
+    verify_tokens: int = 8
+    force: bool = False
+    dumps: bool = False  # write pass-by-pass dumps into OUT/dumps
+    instrumentation: Instrumentation = field(default_factory=Instrumentation)
+
+
+def _source_files(path: Path) -> dict[str, str]:
+    files = resolve(path)
+    out = {files.model.name: sha256_file(files.model)}
+    if files.weights is not None and files.weights.exists():
+        out[files.weights.name] = sha256_file(files.weights)
+    return out
+
+
+def verify_static(source_model, static: StaticModels, tokens: int = 8) -> dict:
+    """The compile-time check: kvc's static pipeline on the numpy runtime against the original
+    model on the numpy runtime, on two deterministic prompts."""
+    from kvc.runtime.compare import judge
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.static_pipeline import StaticPipeline, max_new_tokens
+
+    pipeline = StaticPipeline(NumpySession(static.models["prefill"]),
+                              {size: NumpySession(static.models[name]) for size, name in static.generate_names.items()},
+                              static.plan, static.kv)
+    reference = NumpySession(source_model)
+    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
+    rng = np.random.default_rng(0)
+    f16 = any(k.element_type == "f16" for k in static.kv)
+    results = []
+    for length in sorted({min(static.plan.prompt, 7), min(static.plan.prompt, 33)}):
+        prompt = rng.integers(1, vocab, length)
+        n = min(tokens, max_new_tokens(static.plan, length))
+        verdict = judge(greedy(reference, prompt, n), pipeline.generate(prompt, n), f16=f16)
+        results.append({"backend": "numpy", "prompt_tokens": length, "new_tokens": n, **verdict.to_dict()})
+    return {"against": "source model on kvc's numpy runtime", "ok": all(r["ok"] for r in results),
+            "results": results}
+
+
+def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
+               progress: Callable[[str], None] = lambda message: None) -> dict:
+    """Compile `model_path` into the directory `out`; return the manifest."""
+    model_path, out = Path(model_path), Path(out)
+    for device in options.devices:
+        device_config(device, for_export=True)
+    if out.exists() and not options.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = _compile_into(model_path, work, options, progress)
+        write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
+        _publish(work, out)
+        return manifest
+    finally:
+        if work.exists():
+            shutil.rmtree(work)
+
+
+def _publish(work: Path, out: Path) -> None:
+    """Rename the finished directory into place (replacing an old one only at the very end)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(work, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress) -> dict:
+    progress(f"loading {model_path}")
+    source_hashes = _source_files(model_path)
+    instr = options.instrumentation
+    if options.dumps:
+        instr = Instrumentation(instr.print_before, instr.print_after, instr.after_change, instr.print_diff,
+                                work / "dumps", instr.stream)
+    progress("running passes: " + options.static.common_pipeline() + " then one branch per static model")
+    static = build_static(load(model_path), options.static, instr)
+    progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
+    xmls = save_bundle(static.models, work)
+    models: dict[str, dict] = {}
+    for name, xml in xmls.items():
+        m = static.models[name]
+        models[name] = {"xml": xml.name, "pipeline": static.pipelines[name], "inputs": port_table(m.inputs),
+                        "outputs": port_table(m.outputs), "blobs": {}}
+    for device in options.devices:
+        config = device_config(device, for_export=True)
+        for name, xml in xmls.items():
+            progress(f"compiling {name} for {device}")
+            try:
+                compiled = core().compile_model(load(xml, weights=work / WEIGHTS_FILE), device, config)
+                blob = compiled.export_model().getvalue()
+            except RuntimeError as exc:
+                raise DeviceError(f"compiling {name} for {device} failed: {_last_line(exc)}") from None
+            path = work / blob_name(name, device)
+            write_bytes_atomic(path, blob)
+            models[name]["blobs"][device] = {"file": path.name, "bytes": len(blob), "compile_config": config,
+                                             "import_config": _import_config(device, config)}
+    verification = None
+    if options.verify:
+        progress("verifying the static pipeline against the source model (numpy)")
+        verification = verify_static(load(model_path), static, options.verify_tokens)
+        if not verification["ok"]:
+            bad = next(r for r in verification["results"] if not r["ok"])
+            raise VerificationError(
+                f"the compiled pipeline does not reproduce {model_path}: prompt of {bad['prompt_tokens']} tokens: "
+                f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
+    # Outputs, not diagnostics: dumps (and their timings) are left out.
+    files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
+    return {
+        "format": FORMAT,
+        "kvc_version": __version__,
+        "openvino_version": openvino_version(),
+        "source": {"path": str(model_path), "sha256": source_hashes},
+        "options": {**asdict(options.static), "devices": list(options.devices)},
+        "lengths": static.plan.to_dict(),
+        "kv": [k.to_dict() for k in static.kv],
+        "weights": WEIGHTS_FILE,
+        "models": models,
+        "verification": verification,
+        "files": {str(p.relative_to(work)): sha256_file(p) for p in files},
+    }
+
+
+def _import_config(device: str, config: dict) -> dict:
+    """What import needs: a CPU blob forgets its inference precision (machines with bf16
+    default to it) and, being weightless, needs the weights file."""
+    if device == "CPU":
+        return {**config, "WEIGHTS_PATH": WEIGHTS_FILE}
+    return dict(config)
+
+
+def _last_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
+    return lines[-1] if lines else type(exc).__name__

@@ -1,0 +1,64 @@
+"""Open a compiled directory as a StaticPipeline, from its IR or from its blobs.
+
+Backends: ``numpy`` (kvc's interpreter on the IR), ``openvino`` (CPU), ``npu`` (the NPU
+plugin: a real NPU when present, else NPUW on its CPU backend). Blobs are used when the
+directory has them for the device, unless `from_ir`; they import only into the OpenVINO
+version that exported them, which is checked first with an actionable message.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from kvc.errors import DeviceError, UsageError
+from kvc.export.compile import device_config
+from kvc.export.manifest import check_blob_version, read_manifest
+from kvc.ir.reader import core, load
+from kvc.passes.static_shape import LengthPlan
+from kvc.runtime.session import NumpySession, OpenVINOSession, Session
+from kvc.runtime.static_pipeline import KVSpec, StaticPipeline
+
+BACKENDS = ("numpy", "openvino", "npu")
+_DEVICE = {"openvino": "CPU", "npu": "NPU"}
+
+
+def plan_from(manifest: dict) -> LengthPlan:
+    L = manifest["lengths"]
+    return LengthPlan(L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"],
+                      tuple(L["generate_sizes"]), L["tokens_per_step"], tuple(L["adjustments"]))
+
+
+def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool) -> Session:
+    entry = manifest["models"][name]
+    weights = directory / manifest["weights"]
+    if backend == "numpy":
+        return NumpySession(load(directory / entry["xml"], weights=weights))
+    device = _DEVICE[backend]
+    blob = entry["blobs"].get(device)
+    if blob is not None and not from_ir:
+        check_blob_version(manifest, directory)
+        config = dict(blob["import_config"])
+        if "WEIGHTS_PATH" in config:
+            config["WEIGHTS_PATH"] = str(directory / config["WEIGHTS_PATH"])
+        try:
+            compiled = core().import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device, config)
+        except RuntimeError as exc:
+            raise DeviceError(f"cannot import {blob['file']} on {device}: {str(exc).strip().splitlines()[-1]}") from None
+        return OpenVINOSession(compiled, device)
+    return OpenVINOSession(load(directory / entry["xml"], weights=weights), device,
+                           device_config(device, for_export=False))
+
+
+def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: bool = False) -> StaticPipeline:
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    plan = plan_from(manifest)
+    generate = {}
+    for name in manifest["models"]:
+        if name.startswith("generate-"):
+            generate[int(name.split("-", 1)[1])] = _session(directory, manifest, name, backend, from_ir)
+    prefill = _session(directory, manifest, "prefill", backend, from_ir)
+    return StaticPipeline(prefill, generate, plan, [KVSpec.from_dict(k) for k in manifest["kv"]])

@@ -1,0 +1,143 @@
+"""compile_to: a complete compiled directory or nothing; shared weights; blobs; manifest."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvc.ir as ir
+from kvc import fixtures
+from kvc.errors import DeviceError, UsageError, VerificationError
+from kvc.export.build import StaticOptions, build_static
+from kvc.export.compile import CompileOptions, compile_to
+from kvc.export.load import open_compiled
+from kvc.export.manifest import read_manifest
+from kvc.runtime.generate import greedy
+from kvc.runtime.session import open_session
+
+SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("c") / "llama-npu"
+    compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, devices=("CPU", "NPU"), dumps=True))
+    return out
+
+
+def test_layout_and_manifest(compiled):
+    names = sorted(p.name for p in compiled.iterdir())
+    assert names == ["dumps", "generate-128.CPU.blob", "generate-128.NPU.blob", "generate-128.xml",
+                     "generate-80.CPU.blob", "generate-80.NPU.blob", "generate-80.xml", "manifest.json",
+                     "prefill.CPU.blob", "prefill.NPU.blob", "prefill.xml", "weights.bin"]
+    m = read_manifest(compiled)
+    assert m["openvino_version"] and m["kvc_version"]
+    assert m["lengths"]["generate_sizes"] == [80, 128] and m["lengths"]["capacity"] == 128
+    assert m["lengths"]["adjustments"] == ["min response length 32 aligned up to 64 (multiple of 64)",
+                                           "generate variant 128 (= P + R) added: the largest variant must hold the capacity"]
+    assert [k["input"] for k in m["kv"]][:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    gen = m["models"]["generate-80"]
+    assert {i["name"]: i["shape"] for i in gen["inputs"]}["attention_mask"] == [1, 80]
+    assert {o["name"]: o["shape"] for o in gen["outputs"]}["present.0.key"] == [1, 2, 1, 16]
+    assert set(m["source"]["sha256"]) == {"openvino_model.xml", "openvino_model.bin"}
+    assert set(m["files"]) == {n for n in names if n not in ("manifest.json", "dumps")}
+    assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
+    assert (compiled / "dumps" / "prefill" / "index.json").exists()
+
+
+def test_one_copy_of_the_weights_on_disk(compiled):
+    source_bin = (fixtures.path("llama") / "openvino_model.bin").stat().st_size
+    weights = (compiled / "weights.bin").stat().st_size
+    assert source_bin <= weights < source_bin * 1.05
+    assert not list(compiled.glob("*.bin"))[1:], "one weights file for all models"
+    for xml in compiled.glob("*.xml"):
+        assert xml.stat().st_size < 200_000, "graphs only: the weights live in weights.bin"
+    cpu_blob = (compiled / "prefill.CPU.blob").stat().st_size
+    assert cpu_blob < source_bin / 2, "CPU blobs are weightless: they read weights.bin at import"
+
+
+def test_weights_stay_shared_in_memory():
+    sm = build_static(ir.load(fixtures.path("llama")), SMALL, use_env=False)
+
+    def weight_ptrs(model):
+        return {n.get_friendly_name(): np.asarray(n.get_data()).__array_interface__["data"][0]
+                for n in model.get_ops() if n.get_type_name() == "Constant" and n.get_byte_size() > 4096}
+
+    ptrs = [weight_ptrs(m) for m in sm.models.values()]
+    assert ptrs[0] and all(p == ptrs[0] for p in ptrs), "every variant views the same weight memory"
+
+
+@pytest.mark.parametrize("backend", ["numpy", "openvino", "npu"])
+def test_compiled_directory_runs_from_ir_and_from_blobs(compiled, backend):
+    prompt = fixtures.goldens("llama")["prompts"][2]
+    ir_run = open_compiled(compiled, backend, from_ir=True).generate(prompt["ids"], 24)
+    assert ir_run.tokens == prompt["tokens"]["openvino"]
+    if backend != "numpy":
+        blob_run = open_compiled(compiled, backend).generate(prompt["ids"], 24)
+        assert blob_run.tokens == ir_run.tokens
+        np.testing.assert_array_equal(np.stack(blob_run.logits), np.stack(ir_run.logits))
+
+
+def test_blob_from_another_openvino_version_is_an_actionable_error(compiled, tmp_path):
+    import shutil
+
+    copy = tmp_path / "old"
+    shutil.copytree(compiled, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["openvino_version"] = "2025.0.0-1-deadbeef"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DeviceError, match="exported by OpenVINO 2025.0.0-1-deadbeef, but this is OpenVINO .*"
+                                          "--from-ir.*kvc compile"):
+        open_compiled(copy, "openvino")
+    assert open_compiled(copy, "openvino", from_ir=True).generate([1, 2, 3], 2).tokens
+
+
+def test_out_exists_needs_force(compiled):
+    with pytest.raises(UsageError, match="exists; pass --force"):
+        compile_to(fixtures.path("llama"), compiled, CompileOptions(SMALL))
+
+
+def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
+    import kvc.export.compile as comp
+
+    def broken(*args, **kwargs):
+        return {"against": "test", "ok": False, "results": [{"ok": False, "prompt_tokens": 7, "reason": "forced"}]}
+
+    monkeypatch.setattr(comp, "verify_static", broken)
+    with pytest.raises(VerificationError, match="prompt of 7 tokens: forced; nothing was written"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_only_when_complete(tmp_path):
+    out = tmp_path / "out"
+    compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(UsageError, match="unknown device"):
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, devices=("TPU",), force=True))
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+_COMPILE = ("import sys; from kvc import fixtures; from kvc.export.build import StaticOptions; "
+            "from kvc.export.compile import compile_to, CompileOptions; "
+            "compile_to(fixtures.path('qwen2'), sys.argv[1], CompileOptions(StaticOptions(64, 32), devices=('CPU',)))")
+
+
+def test_same_input_gives_byte_identical_output(tmp_path):
+    for d in ("a", "b"):
+        subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path / d)], check=True)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_onnx_input_goes_through_the_same_pipeline(tmp_path):
+    out = tmp_path / "onnx"
+    compile_to(fixtures.path("gpt2", "onnx"), out, CompileOptions(SMALL))
+    prompt = fixtures.goldens("gpt2")["prompts"][1]
+    assert open_compiled(out, "openvino").generate(prompt["ids"], 24).tokens == prompt["tokens"]["onnxruntime"]

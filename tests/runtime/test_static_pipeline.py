@@ -1,0 +1,135 @@
+"""StaticPipeline reproduces the stateful model exactly as the NPU contract prescribes."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import kvc.ir as ir
+from kvc import fixtures
+from kvc.export.build import StaticOptions, build_static
+from kvc.runtime.compare import judge
+from kvc.runtime.generate import greedy
+from kvc.runtime.session import NPUW_CPU_CONFIG, NumpySession, OpenVINOSession, open_session
+from kvc.runtime.static_pipeline import CapacityError, PromptTooLongError, StaticPipeline
+from tests.conftest import fixture_names
+
+P, C, R = 64, 16, 32
+LENGTHS = (1, C - 1, C, C + 1, P - 1, P)
+CONFIGS = {
+    "whole": StaticOptions(max_prompt_len=P, min_response_len=R),
+    "chunked": StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=C, variants=(80,)),
+}
+
+
+@functools.cache
+def static_models(name: str, config: str):
+    return build_static(ir.load(fixtures.path(name)), CONFIGS[config], use_env=False)
+
+
+def pipeline(name: str, config: str, backend: str) -> StaticPipeline:
+    sm = static_models(name, config)
+    make = {"numpy": NumpySession, "openvino": OpenVINOSession,
+            "npu": lambda m: OpenVINOSession(m, "NPU", NPUW_CPU_CONFIG)}[backend]
+    return StaticPipeline(make(sm.models["prefill"]), {s: make(sm.models[n]) for s, n in sm.generate_names.items()},
+                          sm.plan, sm.kv)
+
+
+def prompts(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 384, n) for n in LENGTHS]
+
+
+@functools.cache
+def reference(name: str):
+    session = open_session(fixtures.path(name), "openvino")
+    return [greedy(session, p, 24) for p in prompts()]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("backend", ["numpy", "openvino"])
+@pytest.mark.parametrize("name", fixture_names())
+def test_static_pipeline_matches_stateful_model(name, config, backend):
+    pipe = pipeline(name, config, backend)
+    for prompt, ref in zip(prompts(), reference(name)):
+        got = pipe.generate(prompt, 24)
+        verdict = judge(ref, got)
+        assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
+        np.testing.assert_allclose(got.prompt_logits[-1], ref.first_logits[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_npu_plugin_backend_agrees(name):
+    """kvc's static models through the NPU plugin (NPUW, CPU backend) give the same tokens."""
+    pipe = pipeline(name, "chunked", "npu")
+    for prompt, ref in zip(prompts(), reference(name)):
+        verdict = judge(ref, pipe.generate(prompt, 24), f16=True)
+        assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
+
+
+def test_variant_switch_happens_when_the_smaller_one_fills():
+    pipe = pipeline("llama", "chunked", "numpy")  # variants 80 and 128 (= P + R)
+    prompt = prompts()[1]  # 15 tokens: 15 + R(64) = 79 -> the 80 variant
+    gen = pipe.generate(prompt, 80)
+    # Step k (k = 1..) runs with 15 + k - 1 stored rows; variant 80 holds a past of 79 rows.
+    assert gen.variants[:65] == [80] * 65 and gen.variants[65:] == [128] * 14
+    ref = greedy(open_session(fixtures.path("llama"), "numpy"), prompt, 80)
+    assert gen.tokens == ref.tokens
+
+
+def test_variants_share_one_buffer():
+    pipe = pipeline("llama", "chunked", "numpy")
+    spec = pipe.kv[0]
+    small, large = pipe.past_view(spec, 79), pipe.past_view(spec, 127)
+    assert np.shares_memory(small, large) and np.shares_memory(small, pipe.buffers[spec.input])
+    assert small.shape[spec.seq_axis] == 79 and large.shape[spec.seq_axis] == 127
+    assert len(pipe.buffers) == 4, "one buffer per cache tensor, not per variant"
+
+
+def test_prompt_longer_than_prefill_is_an_error_with_numbers():
+    pipe = pipeline("llama", "whole", "numpy")
+    with pytest.raises(PromptTooLongError, match="prompt of 65 tokens does not fit: the prefill model takes at most 64"):
+        pipe.generate(np.ones(65, np.int64), 4)
+
+
+def test_full_cache_is_an_error_with_numbers():
+    pipe = pipeline("llama", "whole", "numpy")
+    with pytest.raises(CapacityError, match="120 new tokens after a 10-token prompt exceed the KV capacity: the "
+                                            "largest generate variant holds 128 positions \\(P 64 \\+ R 64\\), so "
+                                            "at most 119 tokens can follow this prompt"):
+        pipe.generate(np.ones(10, np.int64), 120)
+
+
+def test_the_whole_capacity_is_usable():
+    """The last of T - n + 1 tokens attends over all T positions: no off-by-one loss."""
+    prompt = prompts()[4]  # 63 tokens
+    gen = pipeline("llama", "whole", "numpy").generate(prompt, 128 - 63 + 1)
+    ref = greedy(open_session(fixtures.path("llama"), "numpy"), prompt, 128 - 63 + 1)
+    assert gen.tokens == ref.tokens
+
+
+NPUW_LLM_CONFIG = {**{k: v for k, v in NPUW_CPU_CONFIG.items() if k != "NPUW_ONLINE_PIPELINE"},
+                   "NPUW_LLM": "YES", "NPUW_LLM_MAX_PROMPT_LEN": P, "NPUW_LLM_MIN_RESPONSE_LEN": R}
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys):
+    """The NPU plugin's own LLM pipeline (NPUW_LLM on its CPU backend, same P and R) and kvc's
+    static models through the NPU plugin: each agrees with the reference on every token whose
+    reference margin exceeds its f16 error; every divergence is printed with step and margin."""
+    model = ir.load(fixtures.path(name))
+    if fixtures.goldens(name)["config"]["sliding_window"]:
+        # NPUW_LLM cannot build a sliding-window model (its prefill mask fails shape inference);
+        # kvc's mask-positions pass is what makes such models static (tested above).
+        with pytest.raises(RuntimeError, match="Argument shapes are inconsistent"):
+            ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG)
+        return
+    npuw = OpenVINOSession(ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG), "NPU")
+    ours = pipeline(name, "chunked", "npu")
+    for prompt, ref in zip(prompts(), reference(name)):
+        for label, got in (("NPUW_LLM", greedy(npuw, prompt, 24)), ("kvc/NPU", ours.generate(prompt, 24))):
+            verdict = judge(ref, got, f16=True)
+            print(f"{name} {label} prompt {len(prompt)}: {verdict.reason}")
+            assert verdict.ok, f"{label}, prompt of {len(prompt)} tokens: {verdict.reason}"
