@@ -65,6 +65,18 @@ class StaticModels:
         return {int(n.split("-", 1)[1]): n for n in self.models if n.startswith("generate-")}
 
 
+def branch_pipelines(options: StaticOptions) -> dict[str, str]:
+    """The pipeline text of each static model, applied to the lifted model."""
+    plan = options.plan()
+    tail = "mask-positions,{kv_io},lower-kvcache"
+    branches = {"prefill": f"static-shape{{kind=prefill,prompt={plan.prompt},chunk={plan.chunk}}},"
+                           + tail.format(kv_io=options.kv_io(prefill=True))}
+    for size in plan.sizes:
+        branches[f"generate-{size}"] = (f"static-shape{{kind=generate,size={size},tokens={plan.tokens}}},"
+                                        + tail.format(kv_io=options.kv_io(prefill=False)))
+    return branches
+
+
 def _branch_instrumentation(base: Instrumentation | None, sub: str) -> Instrumentation | None:
     if base is None:
         return None
@@ -81,11 +93,7 @@ def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
                       use_env=use_env).run(model)
     lifted = run.model
     layout = kv_layout(lifted)
-    branches = {"prefill": (f"static-shape{{kind=prefill,prompt={plan.prompt},chunk={plan.chunk}}},"
-                            f"mask-positions,{options.kv_io(prefill=True)},lower-kvcache")}
-    for size in plan.sizes:
-        branches[f"generate-{size}"] = (f"static-shape{{kind=generate,size={size},tokens={plan.tokens}}},"
-                                        f"mask-positions,{options.kv_io(prefill=False)},lower-kvcache")
+    branches = branch_pipelines(options)
     result = StaticModels(plan, {}, [], records={"common": run.records})
     for name, pipeline in branches.items():
         branch = PassManager(parse_pipeline(pipeline), _branch_instrumentation(instrumentation, name),

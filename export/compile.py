@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from kvc import __version__
 from kvc.errors import DeviceError, UsageError, VerificationError
 from kvc.export.build import StaticModels, StaticOptions, build_static
@@ -33,6 +31,10 @@ from kvc.passes import Instrumentation
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG, NumpySession, open_session
 
 DEVICES = ("CPU", "NPU")
+# Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
+                   "openvino_detokenizer.xml", "openvino_detokenizer.bin")
 
 
 def device_config(device: str, *, for_export: bool) -> dict:
@@ -66,30 +68,6 @@ def _source_files(path: Path) -> dict[str, str]:
     if files.weights is not None and files.weights.exists():
         out[files.weights.name] = sha256_file(files.weights)
     return out
-
-
-def verify_static(source_model, static: StaticModels, tokens: int = 8) -> dict:
-    """The compile-time check: kvc's static pipeline on the numpy runtime against the original
-    model on the numpy runtime, on two deterministic prompts."""
-    from kvc.runtime.compare import judge
-    from kvc.runtime.generate import greedy
-    from kvc.runtime.static_pipeline import StaticPipeline, max_new_tokens
-
-    pipeline = StaticPipeline(NumpySession(static.models["prefill"]),
-                              {size: NumpySession(static.models[name]) for size, name in static.generate_names.items()},
-                              static.plan, static.kv)
-    reference = NumpySession(source_model)
-    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    rng = np.random.default_rng(0)
-    f16 = any(k.element_type == "f16" for k in static.kv)
-    results = []
-    for length in sorted({min(static.plan.prompt, 7), min(static.plan.prompt, 33)}):
-        prompt = rng.integers(1, vocab, length)
-        n = min(tokens, max_new_tokens(static.plan, length))
-        verdict = judge(greedy(reference, prompt, n), pipeline.generate(prompt, n), f16=f16)
-        results.append({"backend": "numpy", "prompt_tokens": length, "new_tokens": n, **verdict.to_dict()})
-    return {"against": "source model on kvc's numpy runtime", "ok": all(r["ok"] for r in results),
-            "results": results}
 
 
 def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
@@ -153,9 +131,17 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
             write_bytes_atomic(path, blob)
             models[name]["blobs"][device] = {"file": path.name, "bytes": len(blob), "compile_config": config,
                                              "import_config": _import_config(device, config)}
+    source_dir = resolve(model_path).root
+    tokenizer = []
+    for fname in TOKENIZER_FILES:
+        if (source_dir / fname).is_file():
+            shutil.copyfile(source_dir / fname, work / fname)
+            tokenizer.append(fname)
     verification = None
     if options.verify:
         progress("verifying the static pipeline against the source model (numpy)")
+        from kvc.verify.compiled import verify_static
+
         verification = verify_static(load(model_path), static, options.verify_tokens)
         if not verification["ok"]:
             bad = next(r for r in verification["results"] if not r["ok"])
@@ -174,6 +160,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "kv": [k.to_dict() for k in static.kv],
         "weights": WEIGHTS_FILE,
         "models": models,
+        "tokenizer": tokenizer,
         "verification": verification,
         "files": {str(p.relative_to(work)): sha256_file(p) for p in files},
     }

@@ -7,6 +7,7 @@ variables added or removed) so a reader knows what to look for before the line d
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -65,6 +66,30 @@ def summarize(a: ov.Model, b: ov.Model) -> Summary:
     va, vr = added_removed(sorted(v.get_info().variable_id for v in a.get_variables()),
                            sorted(v.get_info().variable_id for v in b.get_variables()))
     return Summary(delta, ia, ir_, oa, or_, va, vr)
+
+
+_OP_LINE = re.compile(r"^(?:%[^=]+= |sink )([A-Za-z0-9_]+)<")
+
+
+def summarize_text(text_a: str, text_b: str) -> Summary:
+    """The structural summary from two text forms (e.g. two steps of a dump directory)."""
+    def parts(text: str):
+        ops, ins, outs, var = Counter(), [], [], []
+        for line in text.splitlines():
+            if m := _OP_LINE.match(line):
+                ops[m.group(1)] += 1
+            elif line.startswith("input %"):
+                ins.append(line.split()[1][1:])
+            elif line.startswith("output "):
+                outs.append(line.split()[1])
+            elif line.startswith("variable "):
+                var.append(line.split()[1])
+        return ops, ins, outs, var
+
+    (ca, ia, oa, va), (cb, ib, ob, vb) = parts(text_a), parts(text_b)
+    added = lambda x, y: tuple(n for n in y if n not in x)  # noqa: E731
+    delta = {t: cb[t] - ca[t] for t in sorted(set(ca) | set(cb)) if cb[t] != ca[t]}
+    return Summary(delta, added(ia, ib), added(ib, ia), added(oa, ob), added(ob, oa), added(va, vb), added(vb, va))
 
 
 def diff_text(text_a: str, text_b: str, name_a: str = "a", name_b: str = "b", context: int = 3) -> str:

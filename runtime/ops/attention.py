@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvc.runtime.ops.elementwise import wide
 from kvc.runtime.ops.reductions import softmax_array
 from kvc.runtime.ops.registry import NodeSpec, register
 
@@ -22,6 +23,7 @@ def sdpa(spec: NodeSpec):
     out = spec.out_dtype
 
     def run(q, k, v, mask=None, scale=None, *_):
+        q, k, v = wide(q), wide(k), wide(v)  # f16 attention computes in f32, rounded once at the output
         dt = q.dtype
         s = (np.asarray(scale, dtype=dt).reshape(()) if scale is not None
              else dt.type(1.0 / np.sqrt(q.shape[-1])))

@@ -3,6 +3,7 @@
 Binary ops broadcast with numpy rules (`auto_broadcast=numpy`, OpenVINO's default) or
 require equal shapes (`none`). Integer arithmetic wraps like C's fixed-width integers, as
 OpenVINO's does; integer Divide truncates toward zero unless `m_pythondiv` asks for floor.
+f16 ops compute in f32 and round once, at the output (`wide`; kernels of other families too).
 """
 
 from __future__ import annotations
@@ -12,19 +13,26 @@ import numpy as np
 from kvc.runtime.ops.registry import NodeSpec, register
 
 
+def wide(x: np.ndarray) -> np.ndarray:
+    """f16 values as f32: an f16 op computes in f32 and rounds once, at its output, as OpenVINO
+    does at f32 inference precision (numpy would round every intermediate and overflow e^x)."""
+    return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
 def _binary(op_type: str, fn, *versions: str):
     @register(op_type, *versions)
     def factory(spec: NodeSpec):
         mode = str(spec.attrs.get("auto_broadcast", "numpy")).lower()
         out = spec.out_dtype
+        f = (lambda a, b: fn(wide(a), wide(b))) if np.dtype(np.float16) in spec.input_types else fn
         if mode == "none":
             def run(a, b):
                 if a.shape != b.shape:
                     raise ValueError(f"auto_broadcast=none needs equal shapes, got {a.shape} and {b.shape}")
-                return np.asarray(fn(a, b), dtype=out)
+                return np.asarray(f(a, b), dtype=out)
         elif mode == "numpy":
             def run(a, b):
-                return np.asarray(fn(a, b), dtype=out)
+                return np.asarray(f(a, b), dtype=out)
         else:
             raise NotImplementedError(f"{op_type} with auto_broadcast={mode}")
         return run
@@ -121,7 +129,7 @@ def _unary(op_type: str, fn, *versions: str):
     @register(op_type, *versions)
     def factory(spec: NodeSpec):
         out = spec.out_dtype
-        return lambda x: np.asarray(fn(x), dtype=out)
+        return lambda x: np.asarray(fn(wide(x)), dtype=out)
 
     return factory
 
@@ -216,8 +224,9 @@ def gelu(spec: NodeSpec):
     out = spec.out_dtype
     if mode == "tanh":
         c = np.sqrt(2.0 / np.pi)
-        return lambda x: np.asarray(0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x ** 3))), dtype=out)
-    return lambda x: np.asarray(0.5 * x * (1.0 + erf(x / np.sqrt(2.0))), dtype=out)
+        return lambda x: np.asarray(0.5 * wide(x) * (1.0 + np.tanh(c * (wide(x) + 0.044715 * wide(x) ** 3))),
+                                    dtype=out)
+    return lambda x: np.asarray(0.5 * wide(x) * (1.0 + erf(wide(x) / np.sqrt(2.0))), dtype=out)
 
 
 @register("Swish")
@@ -225,8 +234,8 @@ def swish(spec: NodeSpec):
     out = spec.out_dtype
 
     def run(x, beta=None):
-        b = 1.0 if beta is None else beta
-        return np.asarray(x / (1.0 + np.exp(-b * x)), dtype=out)
+        b = 1.0 if beta is None else wide(beta)
+        return np.asarray(wide(x) / (1.0 + np.exp(-b * wide(x))), dtype=out)
 
     return run
 

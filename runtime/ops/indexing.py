@@ -171,12 +171,16 @@ def scatter_elements_update(spec: NodeSpec):
 @register("OneHot")
 def one_hot(spec: NodeSpec):
     axis = int(spec.attrs.get("axis", -1))
+    # OneHot-1: an index outside [0, depth), negative ones included, gives an all-off row; a later
+    # version's negative_indices_mode="normalize" counts negative indices from the end.
+    normalize = str(spec.attrs.get("negative_indices_mode", "ignore_negative")).lower() == "normalize"
     out = spec.out_dtype
 
     def run(indices, depth, on_value, off_value):
         d = ints(depth)[0]
         idx = indices.astype(np.int64)
-        idx = np.where(idx < 0, idx + d, idx)
+        if normalize:
+            idx = np.where(idx < 0, idx + d, idx)
         a = norm_axis(axis, idx.ndim + 1)
         hot = np.expand_dims(idx, a) == np.arange(d).reshape((1,) * a + (d,) + (1,) * (idx.ndim - a))
         return np.where(hot, on_value.reshape(()), off_value.reshape(())).astype(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvc.runtime.ops.elementwise import wide
 from kvc.runtime.ops.registry import NodeSpec, register
 
 
@@ -44,4 +45,4 @@ def matmul(spec: NodeSpec):
 def einsum(spec: NodeSpec):
     equation = str(spec.attrs["equation"]).replace(" ", "")
     out = spec.out_dtype
-    return lambda *xs: np.asarray(np.einsum(equation, *xs), dtype=out)
+    return lambda *xs: np.asarray(np.einsum(equation, *(wide(x) for x in xs)), dtype=out)  # f16 sums in f32

@@ -1,5 +1,5 @@
 """Shape and data movement: Reshape, Squeeze, Unsqueeze, Transpose, Concat, Split, VariadicSplit,
-Slice, StridedSlice, Tile, Broadcast, Pad, ShapeOf, Range, Convert, ConvertLike.
+Slice, StridedSlice, Tile, Broadcast, Pad, Identity, ShapeOf, Range, Convert, ConvertLike.
 
 Shape inputs arrive as integer arrays; negative axes count from the end. Results may be views
 of their inputs: kernels never write into an input.
@@ -28,8 +28,16 @@ def reshape(spec: NodeSpec):
 
     def run(x, shape):
         dims = ints(shape)
-        if special_zero:
-            dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+        copied = {i for i, d in enumerate(dims) if special_zero and d == 0}
+        dims = [x.shape[i] if i in copied else d for i, d in enumerate(dims)]
+        if -1 in dims:  # OpenVINO's rule, which also covers empty tensors (numpy refuses 0 / 0):
+            # product of the input dims not copied by a special zero over the output's explicit dims,
+            # and 1 when the two are equal (0 == 0 included)
+            size_in = int(np.prod([d for i, d in enumerate(x.shape) if i not in copied]))
+            size_out = int(np.prod([d for i, d in enumerate(dims) if i not in copied and d != -1]))
+            if size_out == 0 and size_in != 0:
+                raise ValueError(f"cannot infer -1 in {ints(shape)} for input shape {list(x.shape)}")
+            dims[dims.index(-1)] = 1 if size_in == size_out else size_in // size_out
         return x.reshape(dims)
 
     return run
@@ -40,7 +48,7 @@ def squeeze(spec: NodeSpec):
     allow_skip = bool(spec.attrs.get("allow_axis_skip", False))
 
     def run(x, axes=None):
-        if axes is None:
+        if axes is None or not ints(axes):  # no axes, or an empty list: every dimension of size 1
             return x.reshape([d for d in x.shape if d != 1])
         ax = sorted({norm_axis(a, x.ndim) for a in ints(axes)})
         ax = [a for a in ax if x.shape[a] == 1 or not allow_skip]
@@ -83,7 +91,8 @@ def split(spec: NodeSpec):
     n = int(spec.attrs["num_splits"])
 
     def run(x, axis):
-        return tuple(np.split(x, n, axis=norm_axis(ints(axis)[0], x.ndim)))
+        parts = tuple(np.split(x, n, axis=norm_axis(ints(axis)[0], x.ndim)))
+        return parts if n > 1 else parts[0]  # a single-output op returns an array, not a 1-tuple
 
     return run
 
@@ -96,7 +105,8 @@ def variadic_split(spec: NodeSpec):
         if -1 in sizes:
             sizes[sizes.index(-1)] = x.shape[a] - (sum(sizes) + 1)
         bounds = np.cumsum(sizes)[:-1]
-        return tuple(np.split(x, bounds, axis=a))
+        parts = tuple(np.split(x, bounds, axis=a))
+        return parts if len(parts) > 1 else parts[0]  # a single-output op returns an array, not a 1-tuple
 
     return run
 
@@ -117,10 +127,13 @@ def slice_(spec: NodeSpec):
 
 
 def _clamp_slice(start: int, stop: int, step: int, dim: int) -> tuple[int | None, int | None, int]:
-    """Python slicing already clamps; only huge sentinels (INT64_MAX/MIN) need taming."""
+    """Python slicing clamps like OpenVINO except with a negative step from below -dim: OpenVINO
+    clamps that start to index 0 (one element), Python to -1 (nothing)."""
     big = 1 << 62
     start = max(min(start, big), -big)
     stop = max(min(stop, big), -big)
+    if step < 0 and start < -dim:
+        start = 0
     if step < 0 and stop < -dim:
         stop = None  # run through index 0
     return start, stop, step
@@ -161,6 +174,8 @@ def strided_slice(spec: NodeSpec):
                 start = None if bit(begin_mask, i) else b[i]
                 stop = None if bit(end_mask, i) else e[i]
                 st = s[i]
+                if start is not None and st < 0 and start < -x.shape[dim]:
+                    start = 0  # as Slice: OpenVINO clamps a start below -dim to 0, Python to -1
                 if stop is not None and st < 0 and stop < -x.shape[dim]:
                     stop = None
                 index.append(slice(start, stop, st))
@@ -178,6 +193,9 @@ def tile(spec: NodeSpec):
 @register("Broadcast")
 def broadcast(spec: NodeSpec):
     mode = str(spec.attrs.get("mode", "numpy")).lower()
+    if mode == "none":  # Broadcast-1 calls its explicit mode "none" (AutoBroadcastType::NONE == EXPLICIT)
+        mode = "explicit"
+    pdpd_axis = int(spec.attrs.get("mode.mode.axis", -1))  # pdpd: where the data's dims start in the target
 
     def run(x, target, axes_mapping=None):
         shape = ints(target)
@@ -189,6 +207,9 @@ def broadcast(spec: NodeSpec):
             for src, dst in enumerate(mapping):
                 expanded[dst] = x.shape[src]
             return np.broadcast_to(x.reshape(expanded), shape)
+        if mode == "pdpd" and pdpd_axis != -1:
+            start = pdpd_axis + len(shape) if pdpd_axis < 0 else pdpd_axis
+            x = x.reshape((1,) * start + x.shape + (1,) * (len(shape) - start - x.ndim))
         if mode in ("numpy", "pdpd"):
             return np.broadcast_to(x, shape)
         raise NotImplementedError(f"Broadcast mode {mode}")
@@ -203,16 +224,41 @@ def pad(spec: NodeSpec):
 
     def run(x, begins, ends, value=None):
         pb, pe = ints(begins), ints(ends)
-        # Negative pads crop (Pad-12); do it first, then pad the non-negative part.
-        crop = tuple(slice(max(-b, 0), x.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(zip(pb, pe)))
-        x = x[crop]
-        widths = [(max(b, 0), max(e, 0)) for b, e in zip(pb, pe)]
-        if np_mode == "constant":
+        if min(pb + pe, default=0) >= 0:
+            widths = list(zip(pb, pe))
+            if np_mode == "constant":
+                fill = np.asarray(value).reshape(-1)[0] if value is not None else 0
+                return np.pad(x, widths, mode="constant", constant_values=fill)
+            return np.pad(x, widths, mode=np_mode)
+        # Negative pads (Pad-12) crop. Output position o of an axis reads input position o - begin,
+        # mapped into the input by the mode, so the padded values come from the uncropped input
+        # (reflect with begin -3, end +3 on [x0..x3] gives [x3, x2, x1, x0], not a crop's reflection).
+        out, inside = x, None
+        for axis, (b, e) in enumerate(zip(pb, pe)):
+            dim = x.shape[axis]
+            j = np.arange(dim + b + e) - b
+            if np_mode == "reflect":
+                src = np.where(j < 0, -j, np.where(j >= dim, 2 * (dim - 1) - j, j))
+            elif np_mode == "symmetric":
+                src = np.where(j < 0, -j - 1, np.where(j >= dim, 2 * dim - 1 - j, j))
+            else:  # edge, and constant's positions before the fill below
+                src = j
+            out = np.take(out, np.clip(src, 0, max(dim - 1, 0)), axis=axis)
+            if np_mode == "constant":
+                ok = ((j >= 0) & (j < dim)).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+                inside = ok if inside is None else inside & ok
+        if np_mode == "constant" and inside is not None:
             fill = np.asarray(value).reshape(-1)[0] if value is not None else 0
-            return np.pad(x, widths, mode="constant", constant_values=fill)
-        return np.pad(x, widths, mode=np_mode)
+            out = np.where(inside, out, np.asarray(fill, dtype=x.dtype))
+        return out
 
     return run
+
+
+@register("Identity")
+def identity(spec: NodeSpec):
+    """Identity-16: the input, unchanged (OpenVINO's ONNX frontend emits it for ONNX Identity)."""
+    return lambda x: x
 
 
 @register("ShapeOf")
@@ -237,27 +283,58 @@ def range_(spec: NodeSpec):
 
 
 def convert_array(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """OpenVINO's Convert: float→int truncates toward zero then wraps; anything→bool is != 0."""
+    """OpenVINO's Convert: float→int truncates toward zero then wraps; anything→bool is != 0.
+
+    Float→int goes through a 32-bit integer (64-bit for i64/u32) as OpenVINO's x86 code does: a
+    value out of that integer's range, NaN or ±inf becomes its lowest value (INT32_MIN, whose low
+    8/16 bits are 0), so 300.7→u8 is 44 but 1e10→u8 is 0 and 1e10→i32 is INT32_MIN (C++ leaves
+    out-of-range conversions undefined; this is what OpenVINO's CPU plugin and core compute)."""
     if x.dtype == dtype:
         return x
     if dtype == np.bool_:
         return x != 0
     if np.issubdtype(dtype, np.integer) and np.issubdtype(x.dtype, np.floating):
-        t = np.trunc(x)
-        t = np.where(np.isfinite(t), t, 0)
+        t = np.trunc(x.astype(np.float64))
         if dtype == np.uint64:
+            t = np.where(np.isfinite(t), t, 0)
             return np.where(t < 0, t.astype(np.int64).astype(np.uint64), t.astype(np.uint64))
-        return t.astype(np.int64).astype(dtype)
+        via = np.dtype(np.int64) if dtype in (np.int64, np.uint32) else np.dtype(np.int32)
+        info = np.iinfo(via)
+        ok = (t >= info.min) & (t < float(info.max) + 1)  # False for NaN
+        return np.where(ok, t, info.min).astype(np.int64).astype(via).astype(dtype)
     return x.astype(dtype)
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Values rounded (to nearest, ties to even) to bf16, kept as f32: kvc's bf16 representation."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(f), f, rounded)
+
+
+def _converter(spec: NodeSpec):
+    """x -> the node's output element type, in kvc's representation of that type."""
+    out = spec.out_dtype
+    dest = spec.output_etypes[0] if spec.output_etypes else str(spec.attrs.get("destination_type", ""))
+    if out is None:
+        raise NotImplementedError(f"{spec.type} '{spec.name}' to element type {dest}, which kvc's interpreter "
+                                  "does not implement")
+    if dest == "bf16":  # computed as f32, but the values must be bf16's
+        return lambda x: round_to_bf16(convert_array(x, out))
+    if dest == "u4":  # held one per byte: truncate, then wrap to 4 bits like any integer Convert
+        return lambda x: convert_array(x, out) & np.uint8(0x0F)
+    if dest == "i4":
+        return lambda x: ((convert_array(x, out) & np.int8(0x0F)) ^ np.int8(8)) - np.int8(8)
+    return lambda x: convert_array(x, out)
 
 
 @register("Convert")
 def convert(spec: NodeSpec):
-    out = spec.out_dtype
-    return lambda x: convert_array(x, out)
+    return _converter(spec)
 
 
 @register("ConvertLike")
 def convert_like(spec: NodeSpec):
-    out = spec.out_dtype
-    return lambda x, like: convert_array(x, out)
+    conv = _converter(spec)
+    return lambda x, like: conv(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvc.runtime.ops.elementwise import wide
 from kvc.runtime.ops.registry import NodeSpec, register
 
 
@@ -18,10 +19,8 @@ def _reduce(op_type: str, fn):
         out = spec.out_dtype
 
         def run(x, axes):
-            ax = _axes(axes, x.ndim)
-            if not ax:  # OpenVINO: an empty axes list reduces nothing
-                return x.astype(out, copy=False)
-            r = fn(x, ax, keep)
+            # An empty axes list reduces over nothing: each element alone (ReduceL1/L2 still take |x|).
+            r = fn(wide(x), _axes(axes, x.ndim), keep)
             if np.issubdtype(out, np.integer) and not np.issubdtype(np.asarray(r).dtype, np.integer):
                 r = np.trunc(r)
             return np.asarray(r).astype(out, copy=False)
@@ -33,8 +32,24 @@ def _reduce(op_type: str, fn):
 
 _reduce("ReduceSum", lambda x, a, k: np.sum(x, axis=a, keepdims=k, dtype=x.dtype))
 _reduce("ReduceProd", lambda x, a, k: np.prod(x, axis=a, keepdims=k, dtype=x.dtype))
-_reduce("ReduceMax", lambda x, a, k: np.max(x, axis=a, keepdims=k))
-_reduce("ReduceMin", lambda x, a, k: np.min(x, axis=a, keepdims=k))
+def _extreme(fn, largest: bool):
+    """Max/min; over an empty set the result is the reduction's identity (-inf/+inf, or the
+    integer type's lowest/highest value), as ONNX defines it and OpenVINO's CPU plugin computes."""
+    def run(x, a, k):
+        if x.size:
+            return fn(x, axis=a, keepdims=k)
+        if x.dtype == np.bool_:
+            init = not largest
+        elif np.issubdtype(x.dtype, np.integer):
+            init = np.iinfo(x.dtype).min if largest else np.iinfo(x.dtype).max
+        else:
+            init = -np.inf if largest else np.inf
+        return fn(x, axis=a, keepdims=k, initial=init)
+    return run
+
+
+_reduce("ReduceMax", _extreme(np.max, largest=True))
+_reduce("ReduceMin", _extreme(np.min, largest=False))
 _reduce("ReduceL1", lambda x, a, k: np.sum(np.abs(x), axis=a, keepdims=k, dtype=x.dtype))
 _reduce("ReduceL2", lambda x, a, k: np.sqrt(np.sum(np.square(x), axis=a, keepdims=k, dtype=x.dtype)))
 _reduce("ReduceLogicalAnd", lambda x, a, k: np.all(x, axis=a, keepdims=k))
@@ -61,17 +76,20 @@ def softmax_array(x: np.ndarray, axis: int) -> np.ndarray:
 @register("Softmax")
 def softmax(spec: NodeSpec):
     axis = int(spec.attrs["axis"])
-    return lambda x: softmax_array(x, axis)
+    out = spec.out_dtype
+    return lambda x: softmax_array(wide(x), axis).astype(out, copy=False)
 
 
 @register("LogSoftmax")
 def log_softmax(spec: NodeSpec):
     axis = int(spec.attrs["axis"])
+    out = spec.out_dtype
 
     def run(x):
+        x = wide(x)
         m = np.max(x, axis=axis, keepdims=True)
         s = x - m
-        return s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))
+        return (s - np.log(np.sum(np.exp(s), axis=axis, keepdims=True))).astype(out, copy=False)
 
     return run
 
@@ -85,6 +103,7 @@ def mvn6(spec: NodeSpec):
 
     def run(x, axes):
         ax = _axes(axes, x.ndim)
+        x = wide(x)
         centered = x - np.mean(x, axis=ax, keepdims=True)
         if not normalize:
             return centered.astype(out, copy=False)
@@ -105,11 +124,12 @@ def mvn0(spec: NodeSpec):
     def run(x):
         start = 1 if across else 2
         ax = tuple(range(start, x.ndim))
+        x = wide(x)
         centered = x - np.mean(x, axis=ax, keepdims=True)
         if not normalize:
             return centered.astype(out, copy=False)
         var = np.mean(np.square(centered), axis=ax, keepdims=True)
-        return (centered / (np.sqrt(var) + eps)).astype(out, copy=False)
+        return (centered / np.sqrt(var + eps)).astype(out, copy=False)  # MVN-1: eps inside the root
 
     return run
 
@@ -122,7 +142,10 @@ def normalize_l2(spec: NodeSpec):
 
     def run(x, axes):
         ax = _axes(axes, x.ndim)
-        sq = np.sum(np.square(x), axis=ax, keepdims=True) if ax else np.square(x)
+        if not ax:  # the spec: each element divided by itself, 1 for every non-zero element (eps unused)
+            return (x != 0).astype(out)
+        x = wide(x)
+        sq = np.sum(np.square(x), axis=ax, keepdims=True)
         denom = np.sqrt(sq + eps) if add else np.sqrt(np.maximum(sq, eps))
         return (x / denom).astype(out, copy=False)
 
@@ -138,6 +161,7 @@ def cumsum(spec: NodeSpec):
     def run(x, axis=None):
         a = 0 if axis is None else int(np.asarray(axis).reshape(-1)[0])
         a = a + x.ndim if a < 0 else a
+        x = wide(x)  # f16 accumulates in f32
         y = np.flip(x, a) if reverse else x
         c = np.cumsum(y, axis=a, dtype=x.dtype)
         if exclusive:

@@ -60,6 +60,9 @@ class NodeSpec:
     output_types: tuple[np.dtype, ...]
     output_shapes: tuple[tuple[int | None, ...] | None, ...]  # None: dynamic rank; None dim: dynamic
     input_shapes: tuple[tuple[int | None, ...] | None, ...] = ()
+    # OpenVINO's names of the output element types ("bf16", "i4", ...): for kernels whose result
+    # depends on a type numpy lacks and kvc computes in a wider one (see DTYPES).
+    output_etypes: tuple[str, ...] = ()
 
     @property
     def out_dtype(self) -> np.dtype:
@@ -106,6 +109,7 @@ def spec_of(node: ov.Node) -> NodeSpec:
         output_types=tuple(_maybe_dtype(node.get_output_element_type(i)) for i in range(node.get_output_size())),
         output_shapes=tuple(shape(node.get_output_partial_shape(i)) for i in range(node.get_output_size())),
         input_shapes=tuple(shape(node.get_input_partial_shape(i)) for i in range(node.get_input_size())),
+        output_etypes=tuple(node.get_output_element_type(i).get_type_name() for i in range(node.get_output_size())),
     )
 
 

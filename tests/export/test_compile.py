@@ -31,10 +31,13 @@ def compiled(tmp_path_factory):
 
 def test_layout_and_manifest(compiled):
     names = sorted(p.name for p in compiled.iterdir())
-    assert names == ["dumps", "generate-128.CPU.blob", "generate-128.NPU.blob", "generate-128.xml",
-                     "generate-80.CPU.blob", "generate-80.NPU.blob", "generate-80.xml", "manifest.json",
-                     "prefill.CPU.blob", "prefill.NPU.blob", "prefill.xml", "weights.bin"]
     m = read_manifest(compiled)
+    tokenizer = ["config.json", "generation_config.json", "openvino_detokenizer.bin", "openvino_detokenizer.xml",
+                 "openvino_tokenizer.bin", "openvino_tokenizer.xml", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(m["tokenizer"]) == tokenizer
+    assert names == sorted(["dumps", "generate-128.CPU.blob", "generate-128.NPU.blob", "generate-128.xml",
+                            "generate-80.CPU.blob", "generate-80.NPU.blob", "generate-80.xml", "manifest.json",
+                            "prefill.CPU.blob", "prefill.NPU.blob", "prefill.xml", "weights.bin", *tokenizer])
     assert m["openvino_version"] and m["kvc_version"]
     assert m["lengths"]["generate_sizes"] == [80, 128] and m["lengths"]["capacity"] == 128
     assert m["lengths"]["adjustments"] == ["min response length 32 aligned up to 64 (multiple of 64)",
@@ -53,7 +56,7 @@ def test_one_copy_of_the_weights_on_disk(compiled):
     source_bin = (fixtures.path("llama") / "openvino_model.bin").stat().st_size
     weights = (compiled / "weights.bin").stat().st_size
     assert source_bin <= weights < source_bin * 1.05
-    assert not list(compiled.glob("*.bin"))[1:], "one weights file for all models"
+    assert [p.name for p in compiled.glob("*.bin") if "tokenizer" not in p.name] == ["weights.bin"]
     for xml in compiled.glob("*.xml"):
         assert xml.stat().st_size < 200_000, "graphs only: the weights live in weights.bin"
     cpu_blob = (compiled / "prefill.CPU.blob").stat().st_size
@@ -102,12 +105,12 @@ def test_out_exists_needs_force(compiled):
 
 
 def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
-    import kvc.export.compile as comp
+    import kvc.verify.compiled as checks
 
     def broken(*args, **kwargs):
         return {"against": "test", "ok": False, "results": [{"ok": False, "prompt_tokens": 7, "reason": "forced"}]}
 
-    monkeypatch.setattr(comp, "verify_static", broken)
+    monkeypatch.setattr(checks, "verify_static", broken)
     with pytest.raises(VerificationError, match="prompt of 7 tokens: forced; nothing was written"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
     assert list(tmp_path.iterdir()) == []

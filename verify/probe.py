@@ -1,0 +1,120 @@
+"""Probes: evaluate any intermediate model of the pipeline on the same logical input.
+
+The pipeline changes a model's interface as it goes (state becomes inputs, shapes become
+static, empty pasts disappear, KV turns f16 or transposed), so comparing intermediates needs
+one driver per form:
+
+* dynamic models (stateful, or stateless with past/present): a few greedy steps from a fixed
+  prompt (`kvc.runtime.generate.greedy`);
+* static models: one step of the NPU contract. The reference (the lifted source model) first
+  runs `k` tokens to produce a cache; that cache is placed left-aligned into the model's past
+  inputs (cast and transposed to whatever layout they now have), and the model runs this
+  step's `n` tokens, left-padded in its `L` slots. The logits of the valid positions are
+  compared with the reference's logits for the same positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import openvino as ov
+
+from kvc.runtime.generate import greedy
+from kvc.runtime.ops.registry import to_dtype
+from kvc.runtime.session import NumpySession
+
+
+@dataclass
+class StaticFeed:
+    inputs: dict[str, np.ndarray]
+    rows: slice  # logits rows of the valid positions (model output)
+    ref_logits: np.ndarray  # [n, V] reference logits for those positions
+    f16: bool
+
+
+def is_static(model: ov.Model) -> bool:
+    return all(p.get_partial_shape().is_static for p in model.inputs)
+
+
+def dynamic_logits(model: ov.Model, prompt, steps: int) -> np.ndarray:
+    """[steps, V] greedy logits of a dynamic model on kvc's numpy runtime."""
+    return np.stack(greedy(NumpySession(model), prompt, steps).logits)
+
+
+def _ports(model: ov.Model) -> dict[str, ov.Output]:
+    return {name: p for p in model.inputs for name in p.get_names()}
+
+
+def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> StaticFeed:
+    """Inputs for one static step of `model` and the reference logits to compare with.
+
+    `reference` is a dynamic stateless model (the lifted source); `tokens` supplies the ids.
+    """
+    ports = _ports(model)
+    L = ports["input_ids"].get_shape()[-1]
+    M = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else L
+    past_slots = M - L
+    k = past_slots // 2 if past_slots else 0  # some cache, some free slots
+    n = L if past_slots else max(1, L - 3)  # a prefill is also checked with left padding
+    seq = np.asarray(tokens[: k + n], np.int64)
+    ref = NumpySession(reference)
+    pasts = {name for name in ref.interpreter.input_names() if name.startswith("past_key_values")}
+    feed: dict[str, np.ndarray] = {}
+    cache = {}
+    if k:
+        out = ref.infer(_dynamic_feed(ref, seq[None, :k], 0, pasts))
+        cache = {name: out[name.replace("past_key_values", "present", 1)] for name in pasts}
+    full = ref.infer(_dynamic_feed(ref, seq[None, :], 0, pasts))
+    ref_logits = full["logits"][0, k:k + n]
+    ids = np.zeros((1, L), np.int64)
+    ids[0, L - n:] = seq[k:]
+    mask = np.zeros((1, M), np.int64)
+    mask[0, :k] = 1
+    mask[0, M - n:] = 1
+    pos = np.zeros((1, L), np.int64)
+    pos[0, L - n:] = np.arange(k, k + n)
+    candidates = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32)}
+    f16 = False
+    for name, port in ports.items():
+        if name in candidates:
+            feed[name] = candidates[name]
+        elif name.startswith("past_key_values") and name in pasts:
+            feed[name], is_f16 = _place(cache.get(name), port)
+            f16 |= is_f16
+    f16 |= any(o.get_element_type() == ov.Type.f16 for o in model.outputs)
+    logits_len = next(o.get_shape()[1] for o in model.outputs if "logits" in o.get_names())
+    rows = slice(logits_len - n, logits_len) if logits_len == L else slice(logits_len - 1, logits_len)
+    if logits_len != L:
+        ref_logits = ref_logits[-1:]
+    return StaticFeed(feed, rows, ref_logits, f16)
+
+
+def _dynamic_feed(session: NumpySession, ids: np.ndarray, past_len: int, pasts: set[str]) -> dict:
+    b, n = ids.shape
+    feed = {"input_ids": ids, "attention_mask": np.ones((b, past_len + n), np.int64),
+            "position_ids": np.arange(past_len, past_len + n, dtype=np.int64)[None], "beam_idx": np.zeros(b, np.int32)}
+    feed = {k: v for k, v in feed.items() if session.has_input(k)}
+    for name in pasts:
+        port = next(p for names, _, p in session.interpreter._inputs if name in names)
+        dims = [d.get_length() if d.is_static else 0 for d in port.get_partial_shape()]
+        dims[0] = b
+        feed[name] = np.zeros(dims, to_dtype(port.get_element_type()))
+    return feed
+
+
+def _place(rows: np.ndarray | None, port: ov.Output) -> tuple[np.ndarray, bool]:
+    """Rows [1, H, k, D] put left-aligned into a past input of any layout and element type."""
+    shape = list(port.get_shape())
+    dtype = to_dtype(port.get_element_type())
+    buf = np.zeros(shape, dtype)
+    if rows is None or rows.shape[2] == 0 or 0 in shape:
+        return buf, dtype == np.float16
+    k = rows.shape[2]
+    # kv-io stores values sequence-last and reads them back through a Transpose.
+    transposed = any(t.get_node().get_type_name() == "Transpose" for t in port.get_target_inputs())
+    if transposed:
+        buf[:, :, :, :k] = np.swapaxes(rows, 2, 3).astype(dtype)
+    else:
+        buf[:, :, :k, :] = rows.astype(dtype)
+    return buf, dtype == np.float16
