@@ -14,13 +14,20 @@ from kvc.cli.render import echo_json, human_bytes, table
 def inspect(model: str | None, as_json: bool) -> None:
     """Show what MODEL is: I/O, KV cache layout, variables, op counts, parameter count.
 
-    MODEL is an optimum-intel model directory, an OpenVINO .xml or an .onnx; without it,
-    the model bundled with kvc.
+    MODEL is an optimum-intel model directory, an OpenVINO .xml, an .onnx, or a directory
+    written by `kvc compile`; without it, the model bundled with kvc.
     """
     import kvc.ir as ir
     from kvc.ir.describe import describe
 
     path = resolve_model(model)
+    if (path / "manifest.json").is_file():  # a compiled directory: its manifest says it all
+        from kvc.cli.compile_cmd import render_summary
+        from kvc.export.manifest import read_manifest
+
+        manifest = read_manifest(path)
+        echo_json(manifest) if as_json else render_summary(path, manifest)
+        return
     info = describe(ir.load(path), str(path))
     info["path"] = str(path)
     if as_json:

@@ -7,6 +7,7 @@ they print one clear message and exit with the error's code (README, "Exit codes
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -26,6 +27,9 @@ class KvcGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
+        except BrokenPipeError:  # `kvc ... | head`: the reader left; that is not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(0)
         except KvcError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 traceback.print_exc()
@@ -51,9 +55,16 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
+    from kvc.cli.bisect_cmd import bisect
+    from kvc.cli.compile_cmd import compile_
+    from kvc.cli.diff_cmd import diff
     from kvc.cli.inspect_cmd import inspect
+    from kvc.cli.passes_cmd import passes
+    from kvc.cli.run_cmd import run
+    from kvc.cli.verify_cmd import verify
 
-    cli.add_command(inspect)
+    for command in (compile_, run, verify, bisect, diff, inspect, passes):
+        cli.add_command(command)
 
 
 _register()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
+
+from kvc.errors import UsageError
 
 model_argument = click.argument("model", required=False, type=click.Path(exists=True, path_type=str))
 
@@ -19,3 +22,116 @@ def resolve_model(model: str | None) -> Path:
     if not path.exists():
         raise click.UsageError("no MODEL given and the bundled model is missing from this installation")
     return path
+
+
+def progress(message: str) -> None:
+    click.echo(f"[kvc] {message}", err=True)
+
+
+def parse_variants(text: str) -> str | tuple[int, ...]:
+    if text in ("single", "pyramid"):
+        return text
+    try:
+        return tuple(int(v) for v in text.replace(":", ",").split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"--variants takes 'single', 'pyramid' or sizes like 256,512; found {text!r}") from None
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--prompt-ids takes comma-separated token ids, found {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def load_prompts(path: str) -> list[list[int]]:
+    """A prompts file: a JSON list of token-id lists, or of {"ids": [...]} objects."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read prompts: {exc}") from None
+    if isinstance(data, dict) and "prompts" in data:
+        data = data["prompts"]
+    prompts = [entry["ids"] if isinstance(entry, dict) else entry for entry in data] if isinstance(data, list) else None
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise UsageError(f"{path}: expected a JSON list of token-id lists (or of {{\"ids\": [...]}})")
+    return prompts
+
+
+def static_options(f):
+    """The options that shape the static pipeline, named after NPUW's properties."""
+    options = [
+        click.option("--max-prompt-len", type=click.IntRange(min=1), default=1024, show_default=True,
+                     help="Longest prompt the prefill takes (NPUW_LLM_MAX_PROMPT_LEN); aligned up to 64."),
+        click.option("--min-response-len", type=click.IntRange(min=1), default=128, show_default=True,
+                     help="Tokens guaranteed after a full prompt (NPUW_LLM_MIN_RESPONSE_LEN); aligned up to 64."),
+        click.option("--prefill-chunk-size", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Chunked prefill size, a power of two (0: the whole prompt at once)."),
+        click.option("--variants", default="single", show_default=True,
+                     help="Generate variants: 'single' (P+R), 'pyramid' (NPUW's 1024*2^k+R), or sizes like 256,512."),
+        click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+                     help="Element type of KV inputs/outputs (the NPU plugin stores f16)."),
+        click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
+        click.option("--slice-logits", is_flag=True, help="Prefill returns only the last position's logits."),
+        click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
+                     help="beam_idx handling: drop it (OpenVINO), keep its Gathers (npu_compiler), or fuse an "
+                          "indirect beam table."),
+        click.option("--passes", "passes_", default=None, metavar="PIPELINE",
+                     help="Common pipeline run before static shaping, e.g. 'lift-state,fuse-kvcache'."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, variants, kv_precision, transpose_v,
+                        slice_logits, beam, passes_):
+    from kvc.export.build import StaticOptions
+
+    common = passes_
+    if beam == "indirect" and not passes_:
+        common = "lift-state{beam=keep},fuse-kvcache{beam=indirect}"
+    return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
+                         kv_precision, transpose_v, slice_logits, "keep" if beam == "indirect" else beam, common)
+
+
+STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",
+               "slice_logits", "beam", "passes_")
+
+
+def pop_static(kwargs: dict):
+    return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
+
+
+def ir_print_options(f):
+    options = [
+        click.option("--print-ir-before", multiple=True, metavar="GLOB", help="Print the IR before matching passes."),
+        click.option("--print-ir-after", multiple=True, metavar="GLOB", help="Print the IR after matching passes."),
+        click.option("--print-ir-after-all", is_flag=True, help="Print the IR after every pass."),
+        click.option("--print-ir-after-change", is_flag=True,
+                     help="With --print-ir-after[-all]: one status line for a pass that changed nothing."),
+        click.option("--print-ir-diff", is_flag=True, help="Print diffs instead of whole IR."),
+        click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Write NNN-<pass>.txt/.diff and index.json per model branch here."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def pop_instrumentation(kwargs: dict):
+    import sys
+
+    from kvc.passes import Instrumentation
+
+    after = tuple(kwargs.pop("print_ir_after")) + (("*",) if kwargs.pop("print_ir_after_all") else ())
+    return Instrumentation(print_before=tuple(kwargs.pop("print_ir_before")), print_after=after,
+                           after_change=kwargs.pop("print_ir_after_change"), print_diff=kwargs.pop("print_ir_diff"),
+                           dump_dir=kwargs.pop("dump_dir"), stream=sys.stderr)
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")(f)

@@ -68,7 +68,7 @@ class StaticModels:
 def branch_pipelines(options: StaticOptions) -> dict[str, str]:
     """The pipeline text of each static model, applied to the lifted model."""
     plan = options.plan()
-    tail = "mask-positions,{kv_io},lower-kvcache"
+    tail = "mask-positions,unmask-pad-rows,{kv_io},lower-kvcache"
     branches = {"prefill": f"static-shape{{kind=prefill,prompt={plan.prompt},chunk={plan.chunk}}},"
                            + tail.format(kv_io=options.kv_io(prefill=True))}
     for size in plan.sizes:

@@ -12,7 +12,7 @@ from kvc import fixtures
 from kvc.errors import InvalidModelError
 
 
-@pytest.mark.parametrize("form", ["stateful", "stateless", "onnx"])
+@pytest.mark.parametrize("fixture_name,form", [(n, f) for n in fixtures.MODELS for f in fixtures.forms(n)])
 def test_layout_matches_config(fixture_name, form):
     cfg = fixtures.goldens(fixture_name)["config"]
     layout = ir.kv_layout(ir.load(fixtures.path(fixture_name, form)))

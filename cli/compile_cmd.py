@@ -1,0 +1,72 @@
+"""`kvc compile [MODEL] -o OUT`: the static pipeline, blobs and manifest of a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvc.cli.options import (ir_print_options, json_option, model_argument, pop_instrumentation, pop_static, progress,
+                             resolve_model, static_options)
+from kvc.cli.render import echo_json, human_bytes, table
+
+
+@click.command("compile")
+@model_argument
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Output directory (complete or absent).")
+@static_options
+@click.option("--device", "devices", multiple=True, type=click.Choice(["CPU", "NPU"]), default=("CPU",),
+              show_default=True, help="Compile and export a blob per model for this device (repeatable).")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check the compiled pipeline against the source model on kvc's numpy runtime.")
+@click.option("--dumps", is_flag=True, help="Write pass-by-pass IR dumps into OUT/dumps.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
+@ir_print_options
+@json_option
+def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
+    """Compile MODEL into static prefill and generate models for an NPU, with blobs and a manifest.
+
+    MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
+    inputs and outputs; without it, the model bundled with kvc.
+    """
+    from kvc.export.compile import CompileOptions, compile_to
+
+    static = pop_static(kwargs)
+    instrumentation = pop_instrumentation(kwargs)
+    path = resolve_model(model)
+    plan = static.plan()
+    for note in plan.notes:
+        progress(f"note: {note}")
+    options = CompileOptions(static, tuple(dict.fromkeys(devices)), verify, force=force, dumps=dumps,
+                             instrumentation=instrumentation)
+    manifest = compile_to(path, out, options, progress=progress)
+    if as_json:
+        echo_json(manifest)
+        return
+    render_summary(out, manifest)
+
+
+def render_summary(out: Path, manifest: dict) -> None:
+    L = manifest["lengths"]
+    click.echo(f"compiled {manifest['source']['path']} -> {out}")
+    click.echo(f"lengths: prompt P={L['max_prompt_len']}, response R={L['min_response_len']}, "
+               f"chunk={L['prefill_chunk_size'] or 'none'}, capacity={L['capacity']}, "
+               f"generate variants {', '.join(map(str, L['generate_sizes']))}")
+    for note in L["adjustments"]:
+        click.echo(f"  adjusted: {note}")
+    rows = []
+    for name, m in manifest["models"].items():
+        shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
+        past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
+        blobs = ", ".join(f"{d} {human_bytes(b['bytes'])}" for d, b in m["blobs"].items()) or "-"
+        rows.append((name, shapes.get("input_ids", "-"), shapes.get("attention_mask", "-"), past, blobs))
+    click.echo(table(["model", "input_ids", "attention_mask", "past KV", "blobs"], rows))
+    weights = out / manifest["weights"]
+    click.echo(f"weights: {manifest['weights']} ({human_bytes(weights.stat().st_size)}), shared by every model")
+    v = manifest["verification"]
+    if v is None:
+        click.echo("verification: skipped (--no-verify)")
+    else:
+        for r in v["results"]:
+            click.echo(f"verification: prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new: {r['reason']} "
+                       f"(max abs {r['max_abs']:.2g})")

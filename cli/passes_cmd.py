@@ -1,0 +1,29 @@
+"""`kvc passes`: the registered passes, their options and defaults."""
+
+from __future__ import annotations
+
+import click
+
+from kvc.cli.options import json_option
+from kvc.cli.render import echo_json
+
+
+@click.command("passes")
+@json_option
+def passes(as_json):
+    """List the registered passes with their options (use them in --passes PIPELINE)."""
+    from kvc.passes import DEFAULT_PIPELINE, registered
+    from kvc.passes.registry import option_info
+
+    data = {name: {"doc": (cls.__doc__ or "").strip().splitlines()[0], "options": option_info(cls)}
+            for name, cls in registered().items()}
+    if as_json:
+        echo_json({"default_pipeline": DEFAULT_PIPELINE, "passes": data})
+        return
+    for name, info in data.items():
+        click.echo(f"{name}: {info['doc']}")
+        for o in info["options"]:
+            choices = f" [{'|'.join(map(str, o['choices']))}]" if o["choices"] else ""
+            click.echo(f"    {o['name']}={o['default']}{choices}  {o['help']}")
+    click.echo(f"\ndefault common pipeline: {DEFAULT_PIPELINE}; pipelines read like "
+               "'lift-state{beam=keep},fuse-kvcache'")

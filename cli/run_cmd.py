@@ -1,0 +1,52 @@
+"""`kvc run OUT`: greedy generation through a compiled directory, as the NPU would run it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvc.cli.options import json_option, parse_ids
+from kvc.cli.render import echo_json
+from kvc.errors import UsageError
+
+
+def load_tokenizer(directory: Path):
+    """The model's tokenizer.json, through the `tokenizers` package (the `text` extra)."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"{directory} has no tokenizer.json; pass --prompt-ids instead of --prompt")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("text prompts need the tokenizers package: pip install 'kvc[text]'") from None
+    return Tokenizer.from_file(str(path))
+
+
+@click.command("run")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--backend", type=click.Choice(["numpy", "openvino", "npu"]), default="openvino", show_default=True,
+              help="numpy: kvc's interpreter; openvino: CPU; npu: the NPU plugin (NPUW on CPU without an NPU).")
+@click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
+@json_option
+def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, as_json):
+    """Generate greedily from a prompt through the compiled prefill and generate models."""
+    from kvc.export.load import open_compiled
+
+    if (prompt_ids is None) == (text is None):
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    tokenizer = load_tokenizer(out) if text is not None else None
+    ids = tokenizer.encode(text).ids if tokenizer else parse_ids(prompt_ids)
+    gen = open_compiled(out, backend, from_ir=from_ir).generate(ids, max_new_tokens)
+    decoded = tokenizer.decode(gen.tokens) if tokenizer else None
+    if as_json:
+        echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend,
+                   "variants": sorted(set(gen.variants))})
+        return
+    click.echo(f"prompt ({len(ids)} tokens): {ids}")
+    click.echo(f"generated ({len(gen.tokens)} tokens): {gen.tokens}")
+    if decoded is not None:
+        click.echo(f"text: {decoded}")

@@ -1,0 +1,90 @@
+"""`kvc verify OUT`: compiled pipeline versus the source model on other engines; goldens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvc.cli.options import json_option, load_prompts
+from kvc.cli.render import echo_json, table
+from kvc.errors import VerificationError
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(b.strip() for b in text.split(",") if b.strip())
+    bad = [b for b in names if b not in ("numpy", "openvino", "npu")]
+    if bad or not names:
+        raise click.BadParameter(f"choose from numpy, openvino, npu (got {text!r})")
+    return names
+
+
+@click.command("verify")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--against", type=click.Path(exists=True, path_type=Path), default=None,
+              help="The original model (default: the source recorded in the manifest).")
+@click.option("--backends", default="numpy,openvino", show_default=True, help="Comma-separated: numpy,openvino,npu.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSON list of token-id lists (default: prompts of 1, P/2 and P tokens).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--reference", type=click.Choice(["openvino", "numpy"]), default="openvino", show_default=True,
+              help="Engine that runs the original model.")
+@click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write goldens (tokens and top logits) from the first backend to this file.")
+@click.option("--goldens", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Check the compiled pipeline against a goldens file written by --record.")
+@click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
+@json_option
+def verify(out, against, backends, prompts_file, max_new_tokens, reference, record, goldens, from_ir, as_json):
+    """Run OUT's pipeline and the original model; exit 4 on a mismatch.
+
+    Logits: max abs ≤ 1e-4 with f32 KV; with f16 KV (or the NPU plugin) NRMSE ≤ 0.01, and a
+    token may differ only at a near-tie, which is reported with its step and margin.
+    """
+    from kvc.verify import goldens as golden_files
+    from kvc.verify.compiled import verify_compiled
+
+    backend_list = _backends(backends)
+    prompts = load_prompts(prompts_file) if prompts_file else None
+    if goldens is not None:
+        report = golden_files.check(out, goldens, backend=backend_list[0], from_ir=from_ir)
+        _finish(report, as_json, ["prompt", "tokens", "first divergent", "max logit drift", "result"],
+                lambda r: (r["prompt"], r["prompt_tokens"], _dash(r["first_divergent_token"]),
+                           f"{r['max_logit_drift']:.2g}", r["reason"]))
+        return
+    if record is not None:
+        if prompts is None:
+            from kvc.export.load import plan_from
+            from kvc.export.manifest import read_manifest
+            from kvc.verify.compiled import default_prompts
+
+            manifest = read_manifest(out)
+            vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
+            prompts = default_prompts(plan_from(manifest), vocab)
+        data = golden_files.record(out, record, prompts, backend=backend_list[0], new_tokens=max_new_tokens,
+                                   from_ir=from_ir)
+        if as_json:
+            echo_json(data)
+        else:
+            click.echo(f"recorded {len(data['prompts'])} prompts from {backend_list[0]} into {record}")
+        return
+    report = verify_compiled(out, against=against, backends=backend_list, prompts=prompts,
+                             new_tokens=max_new_tokens, reference_backend=reference, from_ir=from_ir)
+    _finish(report, as_json, ["backend", "prompt", "tokens", "max abs", "NRMSE", "top-1", "first divergent", "result"],
+            lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], f"{r['max_abs']:.2g}", f"{r['nrmse']:.2g}",
+                       f"{r['top1']:.2f}", _dash(r["first_divergent_token"]), r["reason"]))
+
+
+def _dash(v):
+    return "-" if v is None else v
+
+
+def _finish(report: dict, as_json: bool, headers, row) -> None:
+    if as_json:
+        echo_json(report)
+    else:
+        click.echo(table(headers, [row(r) for r in report["results"]]))
+        click.echo("verification: " + ("OK" if report["ok"] else "MISMATCH"))
+    if not report["ok"]:
+        bad = next(r for r in report["results"] if not r["ok"])
+        raise VerificationError(f"mismatch: {bad['reason']}")

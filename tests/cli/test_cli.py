@@ -1,0 +1,229 @@
+"""The kvc command line: every command, its JSON, and its error paths and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvc import fixtures
+from kvc.cli.main import cli
+from kvc.passes.base import Pass, PassResult
+from kvc.passes.registry import register_pass
+
+SMALL = ["--max-prompt-len", "64", "--min-response-len", "64"]
+
+
+def kvc(*args, code: int = 0):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\n{result.output}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "CPU", "--dumps")
+    return out
+
+
+def test_compile_summary_and_outputs(compiled):
+    assert (compiled / "manifest.json").exists() and (compiled / "dumps" / "prefill" / "index.json").exists()
+    text = kvc("inspect", compiled).output
+    assert "lengths: prompt P=64, response R=64, chunk=none, capacity=128" in text
+    assert "generate-128  1x1        1x128           1x2x127x16" in text
+
+
+def test_compile_json_is_the_manifest(tmp_path):
+    out = kvc("compile", fixtures.path("qwen2"), "-o", tmp_path / "o", *SMALL, "--no-verify", "--json").stdout
+    manifest = json.loads(out)
+    assert manifest == json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["verification"] is None
+
+
+def test_compile_reports_alignment(tmp_path):
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", "--max-prompt-len", "50",
+                 "--min-response-len", "60", "--no-verify")
+    assert "note: max prompt length 50 aligned up to 64 (multiple of 64)" in result.output
+    assert "adjusted: min response length 60 aligned up to 64" in result.output
+
+
+def test_compile_default_model_is_the_bundled_one(tmp_path):
+    result = kvc("compile", "-o", tmp_path / "o", *SMALL, "--no-verify")
+    assert f"compiled {fixtures.bundled_model()}" in result.output
+
+
+def test_compile_prints_ir_after_change(tmp_path):
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", *SMALL, "--no-verify",
+                 "--print-ir-after", "lower-kvcache", "--print-ir-after-change")
+    assert result.output.count("IR Dump After lower-kvcache: unchanged") == 2  # prefill and generate-128
+
+
+def test_compile_errors(tmp_path, compiled):
+    assert "exists; pass --force" in kvc("compile", "-o", compiled, *SMALL, code=2).output
+    assert "power of two" in kvc("compile", "-o", tmp_path / "x", "--prefill-chunk-size", "48", code=2).output
+    assert "unknown pass 'bogus'" in kvc("compile", "-o", tmp_path / "x", "--passes", "bogus", code=2).output
+    bad = tmp_path / "bad.xml"
+    bad.write_text("<net")
+    assert "not well-formed XML" in kvc("compile", bad, "-o", tmp_path / "x", code=3).output
+    # An indirect beam table has no place in the batch-1 static contract: a pass error, not a crash.
+    result = kvc("compile", "-o", tmp_path / "x", *SMALL, "--beam", "indirect", code=6)
+    assert "indirect KVCache has no place in the batch-1 static contract" in result.output
+    assert "passes run before it" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_run_ids_and_json(compiled):
+    golden = fixtures.goldens("llama")["prompts"][0]
+    ids = ",".join(map(str, golden["ids"]))
+    data = json.loads(kvc("run", compiled, "--prompt-ids", ids, "--max-new-tokens", "24", "--json",
+                          "--backend", "numpy").stdout)
+    assert data["tokens"] == golden["tokens"]["openvino"]
+    assert "generated (24 tokens)" in kvc("run", compiled, "--prompt-ids", ids, "--max-new-tokens", "24").output
+
+
+def test_run_text_prompt(compiled):
+    golden = fixtures.goldens("llama")["prompts"][1]
+    data = json.loads(kvc("run", compiled, "--prompt", golden["text"], "--max-new-tokens", "24", "--json").stdout)
+    assert data["prompt"] == golden["ids"] and data["tokens"] == golden["tokens"]["openvino"]
+    assert isinstance(data["text"], str)
+
+
+def test_run_errors(compiled, tmp_path):
+    assert "exactly one of --prompt-ids and --prompt" in kvc("run", compiled, code=2).output
+    assert "token ids" in kvc("run", compiled, "--prompt-ids", "a,b", code=2).output
+    long = ",".join(["5"] * 65)
+    assert "prompt of 65 tokens does not fit" in kvc("run", compiled, "--prompt-ids", long, code=2).output
+    assert "at most 127 tokens can follow" in kvc("run", compiled, "--prompt-ids", "1,2",
+                                                  "--max-new-tokens", "200", code=2).output
+    assert "not a kvc compiled directory" in kvc("run", tmp_path, "--prompt-ids", "1", code=3).output
+
+
+def test_verify_table_and_json(compiled):
+    result = kvc("verify", compiled, "--backends", "numpy,openvino", "--max-new-tokens", "6")
+    assert "verification: OK" in result.output and "backend" in result.output
+    data = json.loads(kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "4", "--json").stdout)
+    assert data["ok"] and {r["prompt_tokens"] for r in data["results"]} == {1, 32, 64}
+
+
+def test_verify_against_another_model_fails_with_exit_4(compiled):
+    result = kvc("verify", compiled, "--against", fixtures.path("qwen2"), "--backends", "numpy", code=4)
+    assert "verification: MISMATCH" in result.output and "kvc: error: mismatch" in result.output
+
+
+def test_verify_prompts_file(compiled, tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([[1, 2, 3], {"ids": [4, 5]}]))
+    data = json.loads(kvc("verify", compiled, "--prompts", f, "--backends", "numpy", "--json").stdout)
+    assert [r["prompt_tokens"] for r in data["results"]] == [3, 2]
+    f.write_text('{"nope": 1}')
+    assert "expected a JSON list" in kvc("verify", compiled, "--prompts", f, code=2).output
+
+
+def test_goldens_record_and_check(compiled, tmp_path):
+    goldens = tmp_path / "goldens.json"
+    kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "8")
+    assert "matches" in kvc("verify", compiled, "--goldens", goldens, "--backends", "openvino").output
+    data = json.loads(goldens.read_text())
+    data["prompts"][0]["tokens"][3] += 1
+    goldens.write_text(json.dumps(data))
+    result = kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", code=4)
+    assert "token 3 changed" in result.output
+
+
+def test_diff_models_and_dump_steps(compiled, tmp_path):
+    dumps = compiled / "dumps" / "prefill"
+    kv_io_step = next(dumps.glob("*-kv-io.txt"))
+    out = kvc("diff", dumps / "000-input.txt", kv_io_step).output
+    assert out.startswith("# ops:") and "# inputs removed: past_key_values.0.key" in out
+    assert kvc("diff", fixtures.path("llama"), fixtures.path("llama")).output == "identical\n"
+    data = json.loads(kvc("diff", compiled / "prefill.xml", compiled / "generate-128.xml", "--json").stdout)
+    assert not data["identical"] and "past_key_values.0.key" in data["summary"]["inputs_added"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    assert "not a kvc IR dump" in kvc("diff", notes, dumps / "000-input.txt", code=2).output
+    assert "[unknown-format]" in kvc("diff", compiled / "manifest.json", dumps / "000-input.txt", code=3).output
+
+
+def test_inspect_model_and_json():
+    out = kvc("inspect", fixtures.path("gpt2")).output
+    assert "kv cache: 2 layers, stateful (variables)" in out
+    data = json.loads(kvc("inspect", fixtures.path("gpt2", "stateless"), "--json").stdout)
+    assert data["kv_layout"]["stateful"] is False and data["parameters"] > 0
+
+
+def test_passes_listing():
+    out = kvc("passes").output
+    for name in ("lift-state", "fuse-kvcache", "lower-kvcache", "static-shape", "kv-io", "mask-positions"):
+        assert f"{name}: " in out
+    data = json.loads(kvc("passes", "--json").stdout)
+    assert data["passes"]["lift-state"]["options"][0]["choices"] == ["drop", "keep"]
+
+
+@register_pass
+@dataclass(frozen=True)
+class PerturbConstant(Pass):
+    """Test only: scale one weight by 1.01, the kind of bug bisect must find."""
+
+    name: ClassVar[str] = "test-perturb-constant"
+
+    def run(self, model):
+        import openvino.opset13 as ops
+
+        node = next(n for n in model.get_ordered_ops()
+                    if n.get_friendly_name() == "self.model.layers.1.mlp.up_proj.weight")
+        scaled = ops.constant(np.asarray(node.get_data()) * np.float32(1.01))
+        scaled.set_friendly_name(node.get_friendly_name())
+        node.output(0).replace(scaled.output(0))
+        return PassResult(model, True)
+
+
+def test_bisect_finds_the_broken_pass_and_tensor():
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, "--passes", "lift-state,test-perturb-constant",
+                 "--json", code=4)
+    data = json.loads(result.stdout)
+    assert data["first_bad_pass"]["spec"] == "test-perturb-constant"
+    # The first value computed from the scaled weight: layer 1's up-projection MatMul output.
+    assert data["first_diverging_tensor"]["tensor"] == "442"
+    assert "pass test-perturb-constant changes the outputs" in result.output
+
+
+def test_bisect_clean_pipeline():
+    out = kvc("bisect", fixtures.path("mistral"), *SMALL, "--prefill-chunk-size", "16").output
+    assert "no pass changes the outputs beyond tolerance" in out
+    assert "static-shape{kind=prefill,prompt=64,chunk=16}+mask-positions" in out
+
+
+def test_unexpected_errors_are_internal_with_exit_1(monkeypatch):
+    import kvc.ir.describe as describe
+
+    monkeypatch.setattr(describe, "describe", lambda *a, **k: 1 / 0)
+    result = CliRunner().invoke(cli, ["inspect"])
+    assert result.exit_code == 1 and "internal error: ZeroDivisionError" in result.output
+    assert "Traceback" not in result.output
+    debug = CliRunner().invoke(cli, ["--debug", "inspect"])
+    assert debug.exit_code == 1 and "Traceback" in debug.output
+
+
+def test_installed_console_script_compile_run_verify(tmp_path):
+    exe = shutil.which("kvc", path=os.path.dirname(sys.executable))
+    assert exe, "the kvc console script is not installed next to this Python"
+    out = tmp_path / "out"
+
+    def sh(*args):
+        return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, check=True).stdout
+
+    sh("compile", fixtures.path("phi"), "-o", out, *SMALL, "--prefill-chunk-size", "16", "--device", "CPU")
+    golden = fixtures.goldens("phi")["prompts"][2]
+    data = json.loads(sh("run", out, "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "24",
+                         "--json"))
+    assert data["tokens"] == golden["tokens"]["openvino"]
+    assert "verification: OK" in sh("verify", out, "--backends", "numpy,openvino", "--max-new-tokens", "8")
