@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -11,15 +12,20 @@ from kvc.cli.render import echo_json
 
 
 def _text_of(path: Path, weights: Path | None) -> str:
-    """A dump step (.txt written by kvc) as is; anything else loaded as a model and printed."""
+    """A dump step (.txt written by kvc) as is, an unchanged step as the step it repeats;
+    anything else loaded as a model and printed."""
     import kvc.ir as ir
 
-    if path.suffix == ".txt":
-        text = path.read_text()
-        if not text.startswith("# kvc ir text") and "unchanged" not in text:
-            raise click.UsageError(f"{path} is not a kvc IR dump")
+    if path.suffix != ".txt":
+        return ir.to_text(ir.load(path, weights=weights))
+    text = path.read_text()
+    if text.startswith("# kvc ir text"):
         return text
-    return ir.to_text(ir.load(path, weights=weights))
+    if "unchanged" in text and re.match(r"\d{3}-", path.name):
+        earlier = sorted(p for p in path.parent.glob("[0-9][0-9][0-9]-*.txt") if p.name < path.name)
+        if earlier:
+            return _text_of(earlier[-1], None)
+    raise click.UsageError(f"{path} is not a kvc IR dump")
 
 
 def _weights_for(path: Path) -> Path | None:

@@ -49,4 +49,9 @@ def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, as_json):
     click.echo(f"prompt ({len(ids)} tokens): {ids}")
     click.echo(f"generated ({len(gen.tokens)} tokens): {gen.tokens}")
     if decoded is not None:
-        click.echo(f"text: {decoded}")
+        click.echo(f"text: {printable(decoded)}")
+
+
+def printable(text: str) -> str:
+    """Control characters (a random model decodes to anything, NUL included) as escapes."""
+    return "".join(ch if ch in "\n\t" or ord(ch) >= 32 and ord(ch) != 127 else f"\\x{ord(ch):02x}" for ch in text)
