@@ -75,7 +75,8 @@ def static_options(f):
         click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
                      help="Element type of KV inputs/outputs (the NPU plugin stores f16)."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
-        click.option("--slice-logits", is_flag=True, help="Prefill returns only the last position's logits."),
+        click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
+                     help="Prefill returns only the last position's logits (as NPUW does)."),
         click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
                      help="beam_idx handling: drop it (OpenVINO), keep its Gathers (npu_compiler), or fuse an "
                           "indirect beam table."),

@@ -33,7 +33,7 @@ class StaticOptions:
     variants: str | tuple[int, ...] = "single"
     kv_precision: str = "f32"
     transpose_v: bool = False
-    slice_logits: bool = False
+    slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
     beam: str = "drop"
     passes: str | None = None  # the common pipeline; default: lift-state{beam=<beam>}
 

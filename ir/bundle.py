@@ -6,7 +6,8 @@ distinct constant once into `weights.bin` and points every model's Const layers 
 
 1. constants are identified by the memory they view (OpenVINO clones and reshapes share a
    Constant's buffer, and weights stay memory-mapped from the input), so deduplication costs
-   no hashing and the bytes are read once, when written;
+   no hashing; bytes that live in a mapped file are copied file-to-file by the kernel
+   (`copy_file_range`), never pulled through this process's memory;
 2. each model is serialized with its Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -34,6 +35,7 @@ from kvc.ir.writer import _fsync_file, fsync_dir
 WEIGHTS_FILE = "weights.bin"
 _ALIGN = 64
 _PLACEHOLDER = "__kvc_const_"
+_KERNEL_COPY_MIN = 1 << 16  # smaller constants are cheaper to write from memory
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,49 @@ def _key(node: ov.Node) -> tuple[int, int]:
     return data.__array_interface__["data"][0], node.get_byte_size()
 
 
+class _Mappings:
+    """Which file (and where in it) an address of this process maps, from /proc/self/maps."""
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[int, int, int, str]] = []
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6 and parts[5].strip().startswith("/"):
+                        start, end = (int(x, 16) for x in parts[0].split("-"))
+                        self.regions.append((start, end, int(parts[2], 16), parts[5].strip()))
+        except OSError:  # not Linux: every constant is written from memory
+            pass
+
+    def origin(self, address: int, size: int) -> tuple[str, int] | None:
+        for start, end, offset, path in self.regions:
+            if start <= address and address + size <= end:
+                return path, offset + address - start
+        return None
+
+
+def _copy_range(src_path: str, offset: int, size: int, dst) -> bool:
+    """Kernel-side copy of `size` bytes of `src_path` at `offset` to `dst`'s position."""
+    if not hasattr(os, "copy_file_range"):
+        return False
+    try:
+        with open(src_path, "rb") as src:
+            if os.fstat(src.fileno()).st_size < offset + size:
+                return False
+            dst.flush()
+            done = 0
+            while done < size:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), size - done, offset + done)
+                if n <= 0:
+                    return done == size
+                done += n
+            dst.seek(0, os.SEEK_END)
+            return True
+    except OSError:
+        return False
+
+
 def save_bundle(models: dict[str, ov.Model], directory: str | Path, weights_name: str = WEIGHTS_FILE) -> dict[str, Path]:
     """Write `<name>.xml` for every model and one shared weights file; return the xml paths."""
     from kvc.ir.naming import canonicalize_friendly_names
@@ -61,6 +106,7 @@ def save_bundle(models: dict[str, ov.Model], directory: str | Path, weights_name
     for model in models.values():
         canonicalize_friendly_names(model)
     offsets: dict[tuple[int, int], int] = {}
+    mappings = _Mappings()
     weights_tmp = Path(tempfile.mkstemp(prefix=f".{weights_name}.", suffix=".tmp", dir=directory)[1])
     xml_tmps: dict[str, Path] = {}
     try:
@@ -74,7 +120,9 @@ def save_bundle(models: dict[str, ov.Model], directory: str | Path, weights_name
                         pad = -weights.tell() % _ALIGN
                         weights.write(b"\0" * pad)
                         offsets[key] = weights.tell()
-                        weights.write(_raw(node).tobytes())
+                        origin = mappings.origin(*key) if key[1] >= _KERNEL_COPY_MIN else None
+                        if origin is None or not _copy_range(origin[0], origin[1], key[1], weights):
+                            weights.write(memoryview(_raw(node)))
                     table.append((node, offsets[key]))
                 xml_tmps[name] = _write_graph(model, table, directory, name)
             weights.flush()

@@ -158,10 +158,13 @@ class KVIO(Pass):
             if "logits" not in model.output(i).get_names():
                 continue
             shape = result.get_output_partial_shape(0)
-            if shape[1].get_length() == 1:
+            rows = shape[1].get_length()
+            if rows == 1:
                 return False
-            last = ops.slice(result.input_value(0), ops.constant(np.array([-1], np.int64)),
-                             ops.constant(np.array([np.iinfo(np.int64).max], np.int64)),
+            # Exact bounds, not [-1, INT64_MAX): OpenVINO CPU's weightless blobs (CACHE_MODE
+            # OPTIMIZE_SIZE) read that sentinel back wrong and slice nothing.
+            last = ops.slice(result.input_value(0), ops.constant(np.array([rows - 1], np.int64)),
+                             ops.constant(np.array([rows], np.int64)),
                              ops.constant(np.array([1], np.int64)), ops.constant(np.array([1], np.int64)))
             last.set_friendly_name("logits/last_position")
             _reroute(result, last.output(0))

@@ -34,6 +34,8 @@ class Session(Protocol):
 
     def has_input(self, name: str) -> bool: ...
 
+    def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None: ...
+
     def infer(self, inputs: Mapping[str, np.ndarray]) -> TensorMap: ...
 
     def reset(self) -> None: ...
@@ -50,6 +52,7 @@ class NumpySession:
 
     def __init__(self, model: ov.Model):
         self.interpreter = Interpreter(model)
+        self._bound: dict[str, np.ndarray] = {}
 
     @property
     def input_names(self) -> list[str]:
@@ -58,11 +61,18 @@ class NumpySession:
     def has_input(self, name: str) -> bool:
         return any(name in names for names, _, _ in self.interpreter._inputs)
 
+    def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None:
+        """Input `name` reads the first `rows` rows (along `axis`) of `buffer` from now on,
+        without copying, until rebound; `infer` then need not be given it."""
+        index = [slice(None)] * buffer.ndim
+        index[axis] = slice(0, rows)
+        self._bound[name] = buffer[tuple(index)]
+
     def infer(self, inputs, *, trace=False):
-        return self.interpreter.run(inputs, trace=trace)
+        return self.interpreter.run({**self._bound, **inputs}, trace=trace)
 
     def capture(self, inputs) -> tuple[TensorMap, dict[str, np.ndarray]]:
-        return self.interpreter.run(inputs, capture=True)
+        return self.interpreter.run({**self._bound, **inputs}, capture=True)
 
     def reset(self) -> None:
         self.interpreter.reset()
@@ -77,17 +87,19 @@ class NumpySession:
 
 
 class OpenVINOSession:
-    """An OpenVINO compiled model on any device; CPU defaults to exact f32 inference."""
+    """An OpenVINO compiled model on any device; CPU defaults to exact f32 inference
+    (`exact=False` keeps the plugin's own defaults, e.g. bf16 where the CPU has it)."""
 
     backend = "openvino"
 
-    def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None):
+    def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None,
+                 *, exact: bool = True):
         from kvc.ir.reader import core
 
         if isinstance(model, ov.CompiledModel):
             self.compiled = model
         else:
-            cfg = dict(EXACT_CPU_CONFIG if device == "CPU" else {})
+            cfg = dict(EXACT_CPU_CONFIG if device == "CPU" and exact else {})
             cfg.update(config or {})
             try:
                 self.compiled = core().compile_model(model, device, cfg)
@@ -102,6 +114,8 @@ class OpenVINOSession:
                         for i, p in enumerate(self.compiled.inputs)]
         self._outputs = [port_names(p, source.outputs[i] if source else None)
                          for i, p in enumerate(self.compiled.outputs)]
+        self._bound: set[int] = set()
+        self._parents: dict[int, tuple[np.ndarray, ov.Tensor]] = {}  # keeps shared buffers alive
 
     @property
     def input_names(self) -> list[str]:
@@ -110,8 +124,22 @@ class OpenVINOSession:
     def has_input(self, name: str) -> bool:
         return any(name in names for names, _ in self._inputs)
 
+    def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None:
+        """Input `name` reads the first `rows` rows (along `axis`) of `buffer`, shared (an ROI
+        tensor over it): no copy per inference, until rebound; `infer` need not be given it."""
+        index = next(i for i, (names, _) in enumerate(self._inputs) if name in names)
+        want = self._inputs[index][1].get_element_type().to_dtype()
+        if buffer.dtype != want or not buffer.flags["C_CONTIGUOUS"]:
+            raise UsageError(f"cannot bind {name}: buffer must be C-contiguous {want}, got {buffer.dtype}")
+        parent = self._parents.setdefault(id(buffer), (buffer, ov.Tensor(buffer, shared_memory=True)))[1]
+        end = list(buffer.shape)
+        end[axis] = rows
+        self.request.set_input_tensor(index, ov.Tensor(parent, ov.Coordinate([0] * buffer.ndim), ov.Coordinate(end)))
+        self._bound.add(index)
+
     def infer(self, inputs):
-        feed = {i: bind_input(names, port, inputs) for i, (names, port) in enumerate(self._inputs)}
+        feed = {i: bind_input(names, port, inputs) for i, (names, port) in enumerate(self._inputs)
+                if i not in self._bound or any(n in inputs for n in names)}
         try:
             result = self.request.infer(feed)
         except RuntimeError as exc:

@@ -18,6 +18,7 @@ tokens can be followed by at most T_max - n + 1 generated tokens.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,8 @@ class CapacityError(UsageError):
 @dataclass
 class StaticGeneration(Generation):
     variants: list[int] = field(default_factory=list)  # variant size used by each generate step
+    prefill_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)  # wall time of each generate step
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
 
 
@@ -79,6 +82,14 @@ class StaticPipeline:
         self.prefill, self.generate_sessions, self.plan, self.kv = prefill, generate, plan, kv
         self.pad_token = pad_token
         self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in kv}
+        # Every session with a past reads its prefix of the shared buffers directly (bound
+        # once, here): a step copies only its new rows, never the cache.
+        pasts = [(s, size - plan.tokens) for size, s in generate.items()]
+        if plan.chunk:
+            pasts.append((prefill, plan.prompt - plan.chunk))
+        for session, rows in pasts:
+            for spec in kv:
+                session.bind(spec.input, self.buffers[spec.input], rows, spec.seq_axis)
 
     # -- buffer views ------------------------------------------------------------------------
     def _rows(self, spec: KVSpec, start: int, stop: int) -> tuple:
@@ -99,14 +110,12 @@ class StaticPipeline:
         self.buffers[spec.input][self._rows(spec, at, at + n)] = rows
 
     # -- steps -----------------------------------------------------------------------------
-    def _feed(self, session: Session, ids, mask, positions, past_len: int | None) -> dict:
+    @staticmethod
+    def _feed(session: Session, ids, mask, positions) -> dict:
+        """This step's small inputs; the past is bound to the shared buffers."""
         feed = {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
                 "beam_idx": np.zeros(1, np.int32)}
-        feed = {k: v for k, v in feed.items() if session.has_input(k)}
-        if past_len is not None:
-            for spec in self.kv:
-                feed[spec.input] = self.past_view(spec, past_len)
-        return feed
+        return {k: v for k, v in feed.items() if session.has_input(k)}
 
     def _prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Fill the cache with the prompt; return the last position's logits and the prompt's."""
@@ -118,7 +127,7 @@ class StaticPipeline:
             mask[0, P - n:] = 1
             pos = np.zeros((1, P), np.int64)
             pos[0, P - n:] = np.arange(n)
-            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos, None))
+            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos))
             for spec in self.kv:
                 self._store(spec, out[spec.output], 0, slice(P - n, P))
             logits = out["logits"][0]
@@ -134,7 +143,7 @@ class StaticPipeline:
             mask[0, P - k:] = 1
             pos = np.zeros((1, C), np.int64)
             pos[0, C - k:] = np.arange(stored, stored + k)
-            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos, P - C))
+            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos))
             for spec in self.kv:
                 self._store(spec, out[spec.output], stored, slice(C - k, C))
             logits = out["logits"][0]
@@ -158,10 +167,12 @@ class StaticPipeline:
                 f"{new_tokens} new tokens after a {n}-token prompt exceed the KV capacity: the largest "
                 f"generate variant holds {plan.capacity} positions (P {plan.prompt} + R {plan.response}), "
                 f"so at most {limit} tokens can follow this prompt")
-        for buf in self.buffers.values():
+        for buf in self.buffers.values():  # in place: sessions hold views of these buffers
             buf[...] = 0
         gen = StaticGeneration(prompt=[int(t) for t in prompt])
+        started = time.perf_counter()
         last, gen.prompt_logits = self._prefill(prompt)
+        gen.prefill_seconds = time.perf_counter() - started
         gen.first_logits = gen.prompt_logits
         stored = n
         token = int(np.argmax(last))
@@ -175,11 +186,12 @@ class StaticPipeline:
             if stored > variant - G:  # this variant's past is full: move up, nothing to copy
                 variant = next(s for s in sizes if s - G >= stored)
             session = self.generate_sessions[variant]
+            started = time.perf_counter()
             mask = np.zeros((1, variant), np.int64)
             mask[0, :stored] = 1
             mask[0, variant - G:] = 1
             out = session.infer(self._feed(session, np.array([[token]], np.int64), mask,
-                                           np.array([[stored]], np.int64), variant - G))
+                                           np.array([[stored]], np.int64)))
             if stored + G <= rows:  # the last step's row is never read again
                 for spec in self.kv:
                     self._store(spec, out[spec.output], stored)
@@ -189,4 +201,5 @@ class StaticPipeline:
             gen.tokens.append(token)
             gen.logits.append(np.array(last, copy=True))
             gen.variants.append(variant)
+            gen.step_seconds.append(time.perf_counter() - started)
         return gen

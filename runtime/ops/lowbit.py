@@ -1,8 +1,15 @@
 """Constant data as numpy arrays, including the types numpy lacks.
 
-Most Constants are returned as zero-copy views of the (memory-mapped) weights. Packed
-sub-byte integers (u4/i4/u2/u1, as in int4-compressed LLM weights) are unpacked to one
-element per byte, and bf16 is widened to f32: both are copies, made once per prepared model.
+Most Constants are returned as zero-copy views of the (memory-mapped) weights. Three kinds
+are copied, once per prepared model:
+
+* packed sub-byte integers (u4/i4/u2/u1, as in int4-compressed LLM weights), unpacked to one
+  element per byte, and bf16, widened to f32 (numpy has neither type);
+* weights at a misaligned address: optimum-intel's `.bin` packs constants at arbitrary byte
+  offsets, and numpy hands a misaligned array to its slow generic loops instead of BLAS
+  (a 1 GB model's MatMuls ran 50x slower). The mapped pages are read once by the copy and
+  can then be dropped by the OS. kvc's own `weights.bin` aligns every constant to 64 bytes,
+  so compiled directories run without this copy.
 """
 
 from __future__ import annotations
@@ -40,4 +47,10 @@ def constant_array(node: ov.Node) -> np.ndarray:
     if etype in ("nf4", "f8e4m3", "f8e5m2", "f4e2m1", "f8e8m0", "u3", "u6", "string"):
         raise NotImplementedError(f"Constant '{node.get_friendly_name()}' has element type {etype}, "
                                   "which kvc's interpreter does not implement")
-    return np.asarray(data).reshape(shape)
+    array = np.asarray(data).reshape(shape)
+    if not array.flags["ALIGNED"] and array.size >= _ALIGN_COPY_MIN_ELEMENTS:
+        return np.require(array, requirements=["A", "C"])
+    return array
+
+
+_ALIGN_COPY_MIN_ELEMENTS = 4096
