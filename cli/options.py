@@ -80,6 +80,9 @@ def static_options(f):
         click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
                      help="beam_idx handling: drop it (OpenVINO), keep its Gathers (npu_compiler), or fuse an "
                           "indirect beam table."),
+        click.option("--attention", type=click.Choice(["grouped", "sdpa"]), default="grouped", show_default=True,
+                     help="grouped: attention as MatMuls over the unexpanded GQA cache (no per-step copy of "
+                          "the cache); sdpa: keep ScaledDotProductAttention."),
         click.option("--passes", "passes_", default=None, metavar="PIPELINE",
                      help="Common pipeline run before static shaping, e.g. 'lift-state,fuse-kvcache'."),
     ]
@@ -89,18 +92,19 @@ def static_options(f):
 
 
 def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, variants, kv_precision, transpose_v,
-                        slice_logits, beam, passes_):
+                        slice_logits, beam, attention, passes_):
     from kvc.export.build import StaticOptions
 
     common = passes_
     if beam == "indirect" and not passes_:
         common = "lift-state{beam=keep},fuse-kvcache{beam=indirect}"
     return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
-                         kv_precision, transpose_v, slice_logits, "keep" if beam == "indirect" else beam, common)
+                         kv_precision, transpose_v, slice_logits, "keep" if beam == "indirect" else beam, common,
+                         attention)
 
 
 STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",
-               "slice_logits", "beam", "passes_")
+               "slice_logits", "beam", "attention", "passes_")
 
 
 def pop_static(kwargs: dict):

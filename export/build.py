@@ -36,6 +36,7 @@ class StaticOptions:
     slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
     beam: str = "drop"
     passes: str | None = None  # the common pipeline; default: lift-state{beam=<beam>}
+    attention: str = "grouped"  # "grouped": group-attention rewrites SDPA; "sdpa": kept as is
 
     def common_pipeline(self) -> str:
         return self.passes or ("lift-state" if self.beam == "drop" else f"lift-state{{beam={self.beam}}}")
@@ -69,6 +70,8 @@ def branch_pipelines(options: StaticOptions) -> dict[str, str]:
     """The pipeline text of each static model, applied to the lifted model."""
     plan = options.plan()
     tail = "mask-positions,unmask-pad-rows,{kv_io},lower-kvcache"
+    if options.attention == "grouped":
+        tail += ",group-attention"
     branches = {"prefill": f"static-shape{{kind=prefill,prompt={plan.prompt},chunk={plan.chunk}}},"
                            + tail.format(kv_io=options.kv_io(prefill=True))}
     for size in plan.sizes:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvc import __version__
-from kvc.errors import DeviceError, UsageError, VerificationError
+from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
 from kvc.export.build import StaticModels, StaticOptions, build_static
 from kvc.export.manifest import FORMAT, MANIFEST, dumps, openvino_version, port_table, sha256_file
 from kvc.ir.bundle import WEIGHTS_FILE, save_bundle
@@ -126,7 +126,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                 compiled = core().compile_model(load(xml, weights=work / WEIGHTS_FILE), device, config)
                 blob = compiled.export_model().getvalue()
             except RuntimeError as exc:
-                raise DeviceError(f"compiling {name} for {device} failed: {_last_line(exc)}") from None
+                raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
             path = work / blob_name(name, device)
             write_bytes_atomic(path, blob)
             models[name]["blobs"][device] = {"file": path.name, "bytes": len(blob), "compile_config": config,
@@ -173,7 +173,3 @@ def _import_config(device: str, config: dict) -> dict:
         return {**config, "WEIGHTS_PATH": WEIGHTS_FILE}
     return dict(config)
 
-
-def _last_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
-    return lines[-1] if lines else type(exc).__name__

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from kvc.errors import DeviceError, UsageError
+from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
 from kvc.export.manifest import check_blob_version, read_manifest
 from kvc.ir.reader import core, load
@@ -44,7 +44,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         try:
             compiled = core().import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device, config)
         except RuntimeError as exc:
-            raise DeviceError(f"cannot import {blob['file']} on {device}: {str(exc).strip().splitlines()[-1]}") from None
+            raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
         return OpenVINOSession(compiled, device)
     return OpenVINOSession(load(directory / entry["xml"], weights=weights), device,
                            device_config(device, for_export=False))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openvino as ov
 
-from kvc.errors import InvalidModelError
+from kvc.errors import InvalidModelError, openvino_reason
 from kvc.ir.validate import check_inside, validate_ir, validate_onnx
 
 # File names optimum-intel and openvino.genai use for the language model of a directory.
@@ -100,6 +100,5 @@ def load(path: str | Path, *, weights: str | Path | None = None, validate: bool 
         return core().read_model(str(files.model))
     except RuntimeError as exc:
         # Validation passed, so this is a semantic problem (unknown op, bad attribute).
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InvalidModelError("openvino-rejected", str(files.model),
-                                f"OpenVINO cannot read this model: {first}") from None
+                                f"OpenVINO cannot read this model: {openvino_reason(exc)}") from None

@@ -66,3 +66,10 @@ class PassError(KvcError):
     """A transformation cannot apply to this model."""
 
     exit_code = 6
+
+
+def openvino_reason(exc: BaseException) -> str:
+    """The informative line of an OpenVINO exception: its text nests "Exception from <file>"
+    headers around the actual message, which comes last."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
+    return lines[-1] if lines else type(exc).__name__

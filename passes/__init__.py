@@ -13,7 +13,8 @@ from kvc.passes.base import Pass, PassFailure, PassResult
 from kvc.passes.manager import Instrumentation, PassManager, PipelineRun
 from kvc.passes.registry import format_pipeline, get_pass, parse_pipeline, registered
 
-PASS_MODULES = ("lift_state", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io", "mask_positions", "unmask_pad_rows")
+PASS_MODULES = ("lift_state", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io", "mask_positions", "unmask_pad_rows",
+                 "group_attention")
 
 # What `kvc compile` runs before static shaping: lift the state into inputs/outputs.
 DEFAULT_PIPELINE = "lift-state"

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import openvino as ov
 
-from kvc.errors import UsageError
+from kvc.errors import UsageError, openvino_reason
 from kvc.ir.kv_discovery import kv_layout
 from kvc.passes.base import Pass, PassResult, describe_node, option
 from kvc.passes.registry import register_pass
@@ -157,7 +157,7 @@ class StaticShape(Pass):
         try:
             model.reshape({model.inputs[i]: s for i, s in shapes.items()})
         except RuntimeError as exc:
-            raise self.fail(f"OpenVINO cannot reshape the model: {_first_line(exc)}") from None
+            raise self.fail(f"OpenVINO cannot reshape the model: {openvino_reason(exc)}") from None
         preflight(model, self.name)
         return PassResult(model, True)
 
@@ -178,10 +178,6 @@ def preflight(model: ov.Model, pass_name: str = "static-shape") -> None:
                     raise PassFailure(pass_name, f"output {port} is still dynamic in dimension {axis} "
                                                  f"(shape {pshape}); a static-shape device cannot run it", node)
 
-
-def _first_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
-    return lines[-1] if lines else type(exc).__name__
 
 
 __all__ = ["StaticShape", "LengthPlan", "plan_lengths", "preflight", "describe_node"]

@@ -16,7 +16,7 @@ from typing import Mapping, Protocol
 import numpy as np
 import openvino as ov
 
-from kvc.errors import DeviceError, UsageError
+from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_names
 
 # OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
@@ -104,7 +104,7 @@ class OpenVINOSession:
             try:
                 self.compiled = core().compile_model(model, device, cfg)
             except RuntimeError as exc:
-                raise DeviceError(f"cannot compile for {device}: {_first_line(exc)}") from None
+                raise DeviceError(f"cannot compile for {device}: {openvino_reason(exc)}") from None
         self.device = device
         self.request = self.compiled.create_infer_request()
         # Compiling adds internal tensor names to ports (e.g. "81" beside "input_ids"); the
@@ -143,7 +143,7 @@ class OpenVINOSession:
         try:
             result = self.request.infer(feed)
         except RuntimeError as exc:
-            raise DeviceError(f"inference on {self.device} failed: {_first_line(exc)}") from None
+            raise DeviceError(f"inference on {self.device} failed: {openvino_reason(exc)}") from None
         values = list(result.values())
         return TensorMap((names, np.array(v, copy=True)) for names, v in zip(self._outputs, values))
 
@@ -223,7 +223,3 @@ def open_session(model: str | Path | ov.Model, backend: str = "numpy", *, device
         return OpenVINOSession(model, device, config)
     raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
-
-def _first_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
-    return lines[0] if lines else type(exc).__name__
