@@ -204,15 +204,34 @@ def _base_name(node: ov.Node, naming: Naming) -> tuple[str, bool]:
 
 
 def canonicalize_friendly_names(model: ov.Model) -> int:
-    """Replace counter-made friendly names (``Constant_2638``) by the node's stable name, so
-    a saved file does not depend on which process built the model. Returns how many changed.
+    """Replace counter-made friendly names (``Constant_2638``) by stable ones, so a saved file
+    does not depend on which process built the model. Returns how many changed.
 
-    Friendly names carry no semantics (inputs and outputs are found by tensor name), and
-    the text form prints the same before and after."""
-    naming = name_model(model)
-    changed = 0
-    for node in naming.order:
-        if is_counter_name(node.get_friendly_name()):
-            node.set_friendly_name(naming.key[node])
-            changed += 1
+    A renamed node is called ``<Type>#<hash>`` over its type, version, attributes and the
+    (already stable) names of the nodes feeding it, or, for a Constant, its type, shape and
+    bytes. Friendly names carry no semantics (inputs and outputs are found by tensor name)."""
+    changed, taken = 0, set()
+    for node in model.get_ordered_ops():
+        name = node.get_friendly_name()
+        if not is_counter_name(name):
+            taken.add(name)
+            continue
+        tname = node.get_type_name()
+        h = hashlib.blake2b(digest_size=4)
+        h.update(f"{tname}|{op_version(node)}".encode())
+        if tname == "Constant":
+            h.update(f"|{format_type(node.get_output_element_type(0), node.get_output_partial_shape(0))}"
+                     f"|{const_digest(node)}".encode())
+        else:
+            for k, v in sorted(node_attributes(node).items()):
+                h.update(f"|{k}={format_value(v)}".encode())
+            for inp in node.inputs():
+                src = inp.get_source_output()
+                h.update(f"|<{src.get_node().get_friendly_name()}:{src.get_index()}".encode())
+        new, k = f"{tname}#{h.hexdigest()}", 2
+        while new in taken:
+            new, k = f"{tname}#{h.hexdigest()}~{k}", k + 1
+        taken.add(new)
+        node.set_friendly_name(new)
+        changed += 1
     return changed
