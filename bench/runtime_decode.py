@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvc.runtime.generate import _empty_past, _step_inputs
+from kvc.runtime.generate import empty_past, step_inputs
 from kvc.runtime.session import open_session
 
 MODELS = Path(__file__).resolve().parent / ".models"
@@ -31,10 +31,10 @@ MODELS = Path(__file__).resolve().parent / ".models"
 
 def decode(session, prompt: np.ndarray, steps: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds per token) for one greedy run with an explicit past."""
-    past = _empty_past(session, 1)
+    past = empty_past(session, 1)
     ids = prompt[None]
     start = time.perf_counter()
-    out = session.infer({**_step_inputs(session, ids, 0), **past})
+    out = session.infer({**step_inputs(session, ids, 0), **past})
     prefill = time.perf_counter() - start
     past_len = ids.shape[1]
     times = []
@@ -42,7 +42,7 @@ def decode(session, prompt: np.ndarray, steps: int) -> tuple[float, float]:
         past = {n: out[n.replace("past_key_values", "present")] for n in past}
         token = np.array([[int(np.argmax(out["logits"][0, -1]))]])
         start = time.perf_counter()
-        out = session.infer({**_step_inputs(session, token, past_len), **past})
+        out = session.infer({**step_inputs(session, token, past_len), **past})
         times.append(time.perf_counter() - start)
         past_len += 1
     return prefill, statistics.median(times)
@@ -61,7 +61,6 @@ def main() -> None:
                 "openvino": open_session(ir, "openvino")}
     prompt = np.random.default_rng(0).integers(1, 32000, args.prompt)
     results = {name: {"prefill_s": [], "decode_ms": []} for name in sessions}
-    tokens = {}
     for _ in range(args.rounds):
         for name, session in sessions.items():
             prefill, per_token = decode(session, prompt, args.steps)

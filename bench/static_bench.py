@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys

@@ -11,6 +11,7 @@ variants.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,8 +84,7 @@ def branch_pipelines(options: StaticOptions) -> dict[str, str]:
 def _branch_instrumentation(base: Instrumentation | None, sub: str) -> Instrumentation | None:
     if base is None:
         return None
-    dump = Path(base.dump_dir) / sub if base.dump_dir is not None else None
-    return Instrumentation(base.print_before, base.print_after, base.after_change, base.print_diff, dump, base.stream)
+    return dataclasses.replace(base, dump_dir=Path(base.dump_dir) / sub if base.dump_dir is not None else None)
 
 
 def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),

@@ -13,6 +13,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -22,13 +23,13 @@ from typing import Callable
 
 from kvc import __version__
 from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
-from kvc.export.build import StaticModels, StaticOptions, build_static
+from kvc.export.build import StaticOptions, build_static
 from kvc.export.manifest import FORMAT, MANIFEST, dumps, openvino_version, port_table, sha256_file
 from kvc.ir.bundle import WEIGHTS_FILE, save_bundle
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, write_bytes_atomic
 from kvc.passes import Instrumentation
-from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG, NumpySession, open_session
+from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
 DEVICES = ("CPU", "NPU")
 # Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use.
@@ -107,8 +108,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     source_hashes = _source_files(model_path)
     instr = options.instrumentation
     if options.dumps:
-        instr = Instrumentation(instr.print_before, instr.print_after, instr.after_change, instr.print_diff,
-                                work / "dumps", instr.stream)
+        instr = dataclasses.replace(instr, dump_dir=work / "dumps")
     progress("running passes: " + options.static.common_pipeline() + " then one branch per static model")
     static = build_static(load(model_path), options.static, instr)
     progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")

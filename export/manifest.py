@@ -14,7 +14,6 @@ from pathlib import Path
 
 import openvino as ov
 
-from kvc import __version__
 from kvc.errors import DeviceError, InvalidModelError
 
 MANIFEST = "manifest.json"

@@ -29,6 +29,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from kvc.passes.base import Pass, PassResult, describe_node
+from kvc.passes.fuse_kvcache import take_over
 from kvc.passes.registry import register_pass
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,7 @@ class GroupAttention(Pass):
             weights = ops.softmax(scores, -1)
             out = ops.reshape(ops.matmul(weights, v5, False, False), _i64([B, H, L, D]), False)
             out.set_friendly_name(sdpa.get_friendly_name())
-            names = sdpa.output(0).get_names()
-            for target in list(sdpa.output(0).get_target_inputs()):
-                target.replace_source_output(out.output(0))
-            sdpa.output(0).get_tensor().set_names(set())
-            out.output(0).get_tensor().set_names(names)
+            take_over(sdpa.output(0), out.output(0))
             log.debug("group-attention: %s over %d KV heads (x%d)", describe_node(sdpa), kv_heads, rep)
             changed = True
         if changed:

@@ -36,7 +36,9 @@ class Generation:
     first_logits: np.ndarray | None = None  # [S, V] of the prefill step
 
 
-def _step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
+def step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
+    """The inputs optimum's exports take for `ids` after `past_len` cached tokens, restricted
+    to those the session has."""
     batch, n = ids.shape
     full = {
         "input_ids": ids,
@@ -47,7 +49,7 @@ def _step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, 
     return {k: v for k, v in full.items() if session.has_input(k)}
 
 
-def _empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
+def empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
     """Zero-length past tensors for a stateless session, shaped from its input ports."""
     from kvc.runtime.session import NumpySession, OnnxRuntimeSession, OpenVINOSession
 
@@ -86,6 +88,19 @@ def _zero_len(name: str, dims: list, batch: int, dtype) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
+def is_stateless(session: Session) -> bool:
+    """True when the session takes its cache as inputs (past_key_values.*) rather than state."""
+    return any(_PAST.match(n) for n in session.input_names)
+
+
+def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
+    """Everything a session needs to run a prompt from an empty cache (batch 1)."""
+    feed = step_inputs(session, np.asarray(prompt, np.int64).reshape(1, -1), 0)
+    if is_stateless(session):
+        feed.update(empty_past(session, 1))
+    return feed
+
+
 def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
            reset: bool = True) -> Generation:
     """Greedy decoding of one prompt (batch 1): argmax each step, no early stop."""
@@ -94,13 +109,13 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         raise UsageError("the prompt is empty")
     if reset:
         session.reset()
-    stateless = any(_PAST.match(n) for n in session.input_names)
-    past = _empty_past(session, 1) if stateless else {}
+    stateless = is_stateless(session)
+    past = empty_past(session, 1) if stateless else {}
     gen = Generation(prompt=[int(t) for t in ids[0]])
     past_len = 0
     step_ids = ids
     for step in range(max_new_tokens):
-        feed = _step_inputs(session, step_ids, past_len)
+        feed = step_inputs(session, step_ids, past_len)
         feed.update(past)
         out = session.infer(feed)
         logits = out["logits"][0]

@@ -23,7 +23,7 @@ import openvino as ov
 from kvc.export.build import StaticOptions
 from kvc.passes import PassManager, parse_pipeline
 from kvc.runtime.compare import F16_NRMSE, F32_ATOL, max_abs, nrmse
-from kvc.runtime.generate import _step_inputs, _empty_past
+from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
 
@@ -81,7 +81,7 @@ def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=
         report.stages.append(stage)
         if not ok:
             report.first_bad = stage
-            report.first_tensor = first_diverging_tensor(before, current, _dynamic_feed_for, prompt)
+            report.first_tensor = first_diverging_tensor(before, current, lambda s: first_step_feed(s, prompt))
             return report
     lifted = current
     tokens = rng.integers(1, vocab, 4 * options.plan().capacity)
@@ -106,25 +106,16 @@ def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=
                 report.first_bad = stage
                 if is_static(before):
                     report.first_tensor = first_diverging_tensor(
-                        before, model_b, lambda m, _: static_feed(m, lifted, tokens).inputs, None)
+                        before, model_b, lambda s: static_feed(s.interpreter.model, lifted, tokens).inputs)
                 return report
     return report
 
 
-def _dynamic_feed_for(model: ov.Model, prompt) -> dict:
-    session = NumpySession(model)
-    ids = np.asarray(prompt, np.int64)[None]
-    feed = _step_inputs(session, ids, 0)
-    if any(n.startswith("past_") for n in session.input_names):
-        feed.update(_empty_past(session, 1))
-    return feed
-
-
-def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for, prompt) -> dict | None:
+def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for) -> dict | None:
     """The first value (in `after`'s topological order) whose numbers differ from the
-    same-named value of `before`, both run on the same logical input."""
-    _, a_vals = NumpySession(before).capture(feed_for(before, prompt))
-    _, b_vals = NumpySession(after).capture(feed_for(after, prompt))
+    same-named value of `before`, both run on the same logical input (`feed_for(session)`)."""
+    sessions = NumpySession(before), NumpySession(after)
+    (_, a_vals), (_, b_vals) = (s.capture(feed_for(s)) for s in sessions)
     for name, value in b_vals.items():
         ref = a_vals.get(name)
         if ref is None or np.shape(ref) != np.shape(value):

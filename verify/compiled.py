@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvc.export.build import StaticModels
 from kvc.runtime.session import NumpySession
 
 def verify_static(source_model, static: StaticModels, tokens: int = 8) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
-from kvc.runtime.generate import greedy
+from kvc.runtime.generate import first_step_feed, greedy, present_name
 from kvc.runtime.ops.registry import to_dtype
 from kvc.runtime.session import NumpySession
 
@@ -59,13 +59,13 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     n = L if past_slots else max(1, L - 3)  # a prefill is also checked with left padding
     seq = np.asarray(tokens[: k + n], np.int64)
     ref = NumpySession(reference)
-    pasts = {name for name in ref.interpreter.input_names() if name.startswith("past_key_values")}
+    pasts = {name for name in ref.input_names if name.startswith("past_key_values")}
     feed: dict[str, np.ndarray] = {}
     cache = {}
     if k:
-        out = ref.infer(_dynamic_feed(ref, seq[None, :k], 0, pasts))
-        cache = {name: out[name.replace("past_key_values", "present", 1)] for name in pasts}
-    full = ref.infer(_dynamic_feed(ref, seq[None, :], 0, pasts))
+        out = ref.infer(first_step_feed(ref, seq[:k]))
+        cache = {name: out[present_name(name)] for name in pasts}
+    full = ref.infer(first_step_feed(ref, seq))
     ref_logits = full["logits"][0, k:k + n]
     ids = np.zeros((1, L), np.int64)
     ids[0, L - n:] = seq[k:]
@@ -88,19 +88,6 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     if logits_len != L:
         ref_logits = ref_logits[-1:]
     return StaticFeed(feed, rows, ref_logits, f16)
-
-
-def _dynamic_feed(session: NumpySession, ids: np.ndarray, past_len: int, pasts: set[str]) -> dict:
-    b, n = ids.shape
-    feed = {"input_ids": ids, "attention_mask": np.ones((b, past_len + n), np.int64),
-            "position_ids": np.arange(past_len, past_len + n, dtype=np.int64)[None], "beam_idx": np.zeros(b, np.int32)}
-    feed = {k: v for k, v in feed.items() if session.has_input(k)}
-    for name in pasts:
-        port = next(p for names, _, p in session.interpreter._inputs if name in names)
-        dims = [d.get_length() if d.is_static else 0 for d in port.get_partial_shape()]
-        dims[0] = b
-        feed[name] = np.zeros(dims, to_dtype(port.get_element_type()))
-    return feed
 
 
 def _place(rows: np.ndarray | None, port: ov.Output) -> tuple[np.ndarray, bool]:

@@ -16,8 +16,6 @@ from kvc.export.build import StaticOptions, build_static
 from kvc.export.compile import CompileOptions, compile_to
 from kvc.export.load import open_compiled
 from kvc.export.manifest import read_manifest
-from kvc.runtime.generate import greedy
-from kvc.runtime.session import open_session
 
 SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
 

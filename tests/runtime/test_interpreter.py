@@ -3,7 +3,6 @@ capture modes, state like OpenVINO's query_state, clear input errors."""
 
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import openvino as ov
