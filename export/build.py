@@ -19,7 +19,6 @@ import openvino as ov
 
 from kvc.ir.kv_discovery import kv_layout
 from kvc.passes import Instrumentation, PassManager, parse_pipeline
-from kvc.passes.manager import PassRecord
 from kvc.passes.static_shape import LengthPlan, plan_lengths
 from kvc.runtime.static_pipeline import KVSpec
 
@@ -60,7 +59,6 @@ class StaticModels:
     models: dict[str, ov.Model]
     kv: list[KVSpec]
     pipelines: dict[str, str] = field(default_factory=dict)  # model name -> pipeline text it went through
-    records: dict[str, list[PassRecord]] = field(default_factory=dict)
 
     @property
     def generate_names(self) -> dict[int, str]:
@@ -97,13 +95,12 @@ def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
     lifted = run.model
     layout = kv_layout(lifted)
     branches = branch_pipelines(options)
-    result = StaticModels(plan, {}, [], records={"common": run.records})
+    result = StaticModels(plan, {}, [])
     for name, pipeline in branches.items():
         branch = PassManager(parse_pipeline(pipeline), _branch_instrumentation(instrumentation, name),
                              use_env=use_env).run(lifted.clone())
         result.models[name] = branch.model
         result.pipelines[name] = f"{common},{pipeline}"
-        result.records[name] = branch.records
     largest = result.models[f"generate-{plan.sizes[-1]}"]
     ports = {p.get_any_name(): p for p in largest.inputs}
     for t in layout.tensors:

@@ -54,9 +54,13 @@ def _io_names(ports) -> list[str]:
     return [",".join(sorted(p.get_names())) or "<unnamed>" for p in ports]
 
 
+def count_delta(before: Counter, after: Counter) -> dict[str, int]:
+    """after - before per op type, nonzero only, sorted by type."""
+    return {t: after[t] - before[t] for t in sorted(set(before) | set(after)) if after[t] != before[t]}
+
+
 def summarize(a: ov.Model, b: ov.Model) -> Summary:
-    ca, cb = op_counts(a), op_counts(b)
-    delta = {t: cb[t] - ca[t] for t in sorted(set(ca) | set(cb)) if cb[t] != ca[t]}
+    delta = count_delta(op_counts(a), op_counts(b))
 
     def added_removed(xa: list[str], xb: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return tuple(x for x in xb if x not in xa), tuple(x for x in xa if x not in xb)
@@ -88,8 +92,7 @@ def summarize_text(text_a: str, text_b: str) -> Summary:
 
     (ca, ia, oa, va), (cb, ib, ob, vb) = parts(text_a), parts(text_b)
     added = lambda x, y: tuple(n for n in y if n not in x)  # noqa: E731
-    delta = {t: cb[t] - ca[t] for t in sorted(set(ca) | set(cb)) if cb[t] != ca[t]}
-    return Summary(delta, added(ia, ib), added(ib, ia), added(oa, ob), added(ob, oa), added(va, vb), added(vb, va))
+    return Summary(count_delta(ca, cb), added(ia, ib), added(ib, ia), added(oa, ob), added(ob, oa), added(va, vb), added(vb, va))
 
 
 def diff_text(text_a: str, text_b: str, name_a: str = "a", name_b: str = "b", context: int = 3) -> str:

@@ -32,7 +32,7 @@ from typing import TextIO
 
 import openvino as ov
 
-from kvc.ir.compare import diff_text, summarize
+from kvc.ir.compare import count_delta, diff_text, op_counts
 from kvc.ir.text import to_text
 from kvc.ir.writer import write_bytes_atomic
 from kvc.passes.base import Pass, PassFailure
@@ -124,7 +124,7 @@ class PassManager:
             tag = f"{i:03d}-{p.name}"
             if _matches(p.name, instr.print_before):
                 self._emit(f"// -----// IR Dump Before {p.spec()} //----- //\n{text_before}")
-            counts_before = summarize_counts(model) if need_text else None
+            counts_before = op_counts(model) if need_text else None
             start = time.perf_counter()
             try:
                 result = p.run(model)
@@ -135,7 +135,7 @@ class PassManager:
             model = result.model
             record = PassRecord(i, p.name, p.spec(), result.changed, seconds)
             if need_text:
-                record.op_delta = summarize_delta(counts_before, model)
+                record.op_delta = count_delta(counts_before, op_counts(model))
                 text_after = to_text(model) if result.changed else text_before
                 self._instrument_after(p, tag, result.changed, text_before, text_after)
                 index_rows.append({"index": i, "pass": p.name, "spec": p.spec(), "changed": result.changed,
@@ -182,16 +182,4 @@ class PassManager:
         exc.add_context(f"IR before the failing pass: {path}")
 
 
-def summarize_counts(model: ov.Model) -> dict[str, int]:
-    from collections import Counter
-
-    return dict(Counter(n.get_type_name() for n in model.get_ordered_ops()))
-
-
-def summarize_delta(before: dict[str, int], model: ov.Model) -> dict[str, int]:
-    after = summarize_counts(model)
-    return {t: after.get(t, 0) - before.get(t, 0) for t in sorted(set(before) | set(after))
-            if after.get(t, 0) != before.get(t, 0)}
-
-
-__all__ = ["PassManager", "Instrumentation", "PassRecord", "PipelineRun", "summarize"]
+__all__ = ["PassManager", "Instrumentation", "PassRecord", "PipelineRun"]
