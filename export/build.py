@@ -17,7 +17,9 @@ from pathlib import Path
 
 import openvino as ov
 
+from kvc.ir.bundle import Bundle
 from kvc.ir.kv_discovery import kv_layout
+from kvc.ir.naming import canonicalize_friendly_names
 from kvc.passes import Instrumentation, PassManager, parse_pipeline
 from kvc.passes.static_shape import LengthPlan, plan_lengths
 from kvc.runtime.static_pipeline import KVSpec
@@ -86,28 +88,46 @@ def _branch_instrumentation(base: Instrumentation | None, sub: str) -> Instrumen
 
 
 def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
-                 instrumentation: Instrumentation | None = None, *, use_env: bool = True) -> StaticModels:
-    """Run the common passes once, then one branch per static model. `model` is consumed."""
+                 instrumentation: Instrumentation | None = None, *, use_env: bool = True,
+                 bundle: Bundle | None = None) -> StaticModels:
+    """Run the common passes once, then one branch per static model. `model` is consumed.
+
+    With a `bundle`, the weights of the lifted model start being copied into it before the
+    branches are built, and each static model is added to it as soon as it is built (saving
+    overlaps the passes; `bundle.commit()` finishes)."""
     plan = options.plan()
     common = options.common_pipeline()
     run = PassManager(parse_pipeline(common), _branch_instrumentation(instrumentation, "common"),
                       use_env=use_env).run(model)
     lifted = run.model
+    canonicalize_friendly_names(lifted)  # once here rather than in every branch's save
+    if bundle is not None:
+        bundle.start_weights(lifted)
     layout = kv_layout(lifted)
-    branches = branch_pipelines(options)
+    largest = f"generate-{plan.sizes[-1]}"
     result = StaticModels(plan, {}, [])
-    for name, pipeline in branches.items():
+    branches = branch_pipelines(options)
+    for i, (name, pipeline) in enumerate(branches.items()):
+        source = lifted if i == len(branches) - 1 else lifted.clone()  # the last branch may consume it
         branch = PassManager(parse_pipeline(pipeline), _branch_instrumentation(instrumentation, name),
-                             use_env=use_env).run(lifted.clone())
+                             use_env=use_env).run(source)
         result.models[name] = branch.model
         result.pipelines[name] = f"{common},{pipeline}"
-    largest = result.models[f"generate-{plan.sizes[-1]}"]
+        if name == largest:  # the KV buffers are sized by the largest variant
+            result.kv = _kv_specs(branch.model, layout, options)
+        if bundle is not None:
+            bundle.add(name, branch.model)
+    return result
+
+
+def _kv_specs(largest: ov.Model, layout, options: StaticOptions) -> list[KVSpec]:
     ports = {p.get_any_name(): p for p in largest.inputs}
+    specs = []
     for t in layout.tensors:
         past = ports[t.input_name]
         seq = t.seq_axis
         if options.transpose_v and t.kind == "value":
             seq = len(past.get_partial_shape()) - 1
-        result.kv.append(KVSpec(t.input_name, t.output_name, t.layer, t.kind, seq,
-                                past.get_element_type().get_type_name(), tuple(past.get_shape())))
-    return result
+        specs.append(KVSpec(t.input_name, t.output_name, t.layer, t.kind, seq,
+                            past.get_element_type().get_type_name(), tuple(past.get_shape())))
+    return specs

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,9 +24,9 @@ from kvc import __version__
 from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
 from kvc.export.build import StaticOptions, build_static
 from kvc.export.manifest import FORMAT, MANIFEST, dumps, openvino_version, port_table, sha256_file
-from kvc.ir.bundle import WEIGHTS_FILE, save_bundle
+from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.reader import core, load, resolve
-from kvc.ir.writer import fsync_dir, write_bytes_atomic
+from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
@@ -80,7 +79,7 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     if out.exists() and not options.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    work = temp_dir(out.parent, f".{out.name}.partial-")
     try:
         manifest = _compile_into(model_path, work, options, progress)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
@@ -110,9 +109,10 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     if options.dumps:
         instr = dataclasses.replace(instr, dump_dir=work / "dumps")
     progress("running passes: " + options.static.common_pipeline() + " then one branch per static model")
-    static = build_static(load(model_path), options.static, instr)
-    progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
-    xmls = save_bundle(static.models, work)
+    with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
+        static = build_static(load(model_path), options.static, instr, bundle=bundle)
+        progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
+        xmls = bundle.commit()
     models: dict[str, dict] = {}
     for name, xml in xmls.items():
         m = static.models[name]

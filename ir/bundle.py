@@ -6,10 +6,13 @@ distinct constant once into `weights.bin` and points every model's Const layers 
 
 1. constants are identified by the memory they view (OpenVINO clones and reshapes share a
    Constant's buffer, and weights stay memory-mapped from the input), so deduplication costs
-   no hashing; bytes that live in a mapped file are copied file-to-file by the kernel
-   (`copy_file_range`), never pulled through this process's memory;
+   no hashing; constants that lie back to back in a mapped file are laid out back to back
+   again, each still at a multiple of 64 bytes, and copied as one run by the kernel
+   (`copy_file_range`), never pulled through this process's memory. The copies and the
+   fsync run on a second thread (`WeightsWriter`: a handful of calls that release the GIL),
+   started while the passes still run;
 2. each model is serialized with its Constants temporarily replaced by placeholder
-   Parameters, so OpenVINO writes only the graph (no weights);
+   Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
 
 Every file is written under a temporary name and renamed into place; the same models give
@@ -19,171 +22,465 @@ byte-identical files. Read a model back with `kvc.ir.load(xml, weights=dir/weigh
 
 from __future__ import annotations
 
+import bisect
 import html
+import logging
 import os
+import queue
 import re
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import openvino as ov
-import openvino.opset13 as ops
 
-from kvc.ir.writer import _fsync_file, fsync_dir
+from kvc.ir.writer import fsync_dir, temp_file
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.bin"
 _ALIGN = 64
 _PLACEHOLDER = "__kvc_const_"
-_KERNEL_COPY_MIN = 1 << 16  # smaller constants are cheaper to write from memory
+_PLACEHOLDER_MIN = 1024  # smaller constants are serialized as they are (shape constants among them)
+_KERNEL_COPY_MIN = 1 << 16  # smaller runs are cheaper to write from memory
 
 
-@dataclass(frozen=True)
-class BundleEntry:
-    xml: Path
-    constants: int
-
-
-def _raw(node: ov.Node) -> np.ndarray:
+def _bytes(node: ov.Node) -> tuple[tuple[int, int], np.ndarray]:
+    """A Constant's identity (address and size of the memory it views) and its bytes (a view)."""
     data = np.asarray(node.get_data())
-    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    key = data.__array_interface__["data"][0], node.get_byte_size()
+    return key, np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
-def _key(node: ov.Node) -> tuple[int, int]:
-    data = np.asarray(node.get_data())
-    return data.__array_interface__["data"][0], node.get_byte_size()
+def _aligned(offset: int) -> int:
+    return offset + (-offset % _ALIGN)
+
+
+class _Origin(NamedTuple):
+    """Where a constant's bytes live on disk: the mapped file (by path and inode) and offset."""
+
+    path: str
+    inode: int
+    offset: int
 
 
 class _Mappings:
     """Which file (and where in it) an address of this process maps, from /proc/self/maps."""
 
     def __init__(self) -> None:
-        self.regions: list[tuple[int, int, int, str]] = []
+        regions: list[tuple[int, int, _Origin]] = []
         try:
             with open("/proc/self/maps") as f:
                 for line in f:
                     parts = line.split(maxsplit=5)
-                    if len(parts) == 6 and parts[5].strip().startswith("/"):
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if path.startswith("/") and not path.endswith(" (deleted)"):
                         start, end = (int(x, 16) for x in parts[0].split("-"))
-                        self.regions.append((start, end, int(parts[2], 16), parts[5].strip()))
+                        regions.append((start, end, _Origin(path, int(parts[4]), int(parts[2], 16))))
         except OSError:  # not Linux: every constant is written from memory
             pass
+        regions.sort(key=lambda r: r[0])
+        self.starts = [r[0] for r in regions]
+        self.regions = regions
 
-    def origin(self, address: int, size: int) -> tuple[str, int] | None:
-        for start, end, offset, path in self.regions:
-            if start <= address and address + size <= end:
-                return path, offset + address - start
-        return None
+    def origin(self, address: int, size: int) -> _Origin | None:
+        i = bisect.bisect_right(self.starts, address) - 1  # mappings do not overlap
+        if i < 0:
+            return None
+        start, end, region = self.regions[i]
+        if address + size > end:
+            return None
+        return region._replace(offset=region.offset + address - start)
 
 
-def _copy_range(src_path: str, offset: int, size: int, dst) -> bool:
-    """Kernel-side copy of `size` bytes of `src_path` at `offset` to `dst`'s position."""
+@dataclass
+class _Segment:
+    """A stretch of the weights file: constants back to back, from one source.
+
+    `source` is where to copy the whole stretch from (kernel-side); the `pieces` (offset
+    within the segment, bytes) are what is written when there is no source or the copy fails."""
+
+    offset: int
+    size: int
+    source: _Origin | None
+    pieces: list[tuple[int, np.ndarray]]
+
+    def place(self) -> tuple:
+        return self.offset, self.size, self.source
+
+
+_Distinct = dict[tuple[int, int], tuple[np.ndarray, "_Origin | None"]]
+
+
+def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings) -> list[tuple[ov.Node, tuple[int, int]]]:
+    """`model`'s Constants in order with their identities; new ones are added to `distinct`."""
+    out = []
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Constant":
+            continue
+        key, data = _bytes(node)
+        if key not in distinct:
+            distinct[key] = (data, mappings.origin(*key) if key[1] else None)
+        out.append((node, key))
+    return out
+
+
+def _layout(distinct: _Distinct) -> tuple[dict[tuple[int, int], int], list[_Segment], int]:
+    """Place every distinct constant in the weights file, each at a multiple of 64 bytes.
+
+    Constants that were back to back in a mapped file (and 64 apart modulo their run's start)
+    form runs, placed first in file order; the rest follow in first-use order. Returns each
+    constant's offset, the segments and the file size."""
+    runs: list[list[tuple[int, int]]] = []  # keys of constants adjacent in one mapped file
+    last: tuple[_Origin, int] | None = None  # (start of the current run, its end) in its file
+    for key in sorted((k for k, (_, o) in distinct.items() if o is not None), key=lambda k: (distinct[k][1], k)):
+        at = distinct[key][1]
+        if (last is not None and last[0][:2] == at[:2] and last[1] == at.offset
+                and (at.offset - last[0].offset) % _ALIGN == 0):
+            runs[-1].append(key)
+            last = (last[0], at.offset + key[1])
+        else:
+            runs.append([key])
+            last = (at, at.offset + key[1])
+
+    offsets: dict[tuple[int, int], int] = {}
+    segments: list[_Segment] = []
+    end = 0
+    for run in runs:
+        start = distinct[run[0]][1]
+        size = distinct[run[-1]][1].offset + run[-1][1] - start.offset
+        if size < _KERNEL_COPY_MIN:
+            continue
+        seg = _Segment(_aligned(end), size, start, [])
+        for key in run:
+            within = distinct[key][1].offset - start.offset
+            offsets[key] = seg.offset + within
+            seg.pieces.append((within, distinct[key][0]))
+        segments.append(seg)
+        end = seg.offset + size
+    small: _Segment | None = None  # consecutive small constants: one write
+    for key, (data, _) in distinct.items():
+        if key in offsets:
+            continue
+        offsets[key] = at = _aligned(end)
+        end = at + key[1]
+        if key[1] >= _KERNEL_COPY_MIN:
+            segments.append(_Segment(at, key[1], None, [(0, data)]))
+            small = None
+            continue
+        if small is None:
+            small = _Segment(at, 0, None, [])
+            segments.append(small)
+        small.pieces.append((at - small.offset, data))
+        small.size = end - small.offset
+    return offsets, segments, end
+
+
+def _copy_range(source: _Origin, size: int, dst_fd: int, dst_offset: int) -> bool:
+    """Kernel-side copy of `size` bytes from `source` to `dst_fd` at `dst_offset`; False if the
+    file is no longer the one mapped (replaced since) or the kernel cannot copy."""
     if not hasattr(os, "copy_file_range"):
         return False
     try:
-        with open(src_path, "rb") as src:
-            if os.fstat(src.fileno()).st_size < offset + size:
+        with open(source.path, "rb") as src:
+            stat = os.fstat(src.fileno())
+            if stat.st_ino != source.inode or stat.st_size < source.offset + size:
                 return False
-            dst.flush()
             done = 0
             while done < size:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), size - done, offset + done)
+                n = os.copy_file_range(src.fileno(), dst_fd, size - done, source.offset + done, dst_offset + done)
                 if n <= 0:
-                    return done == size
+                    return False
                 done += n
-            dst.seek(0, os.SEEK_END)
             return True
     except OSError:
         return False
 
 
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _write_segment(fd: int, seg: _Segment) -> None:
+    if seg.source is not None and _copy_range(seg.source, seg.size, fd, seg.offset):
+        return
+    if len(seg.pieces) == 1:
+        _pwrite_all(fd, seg.pieces[0][1], seg.offset + seg.pieces[0][0])
+        return
+    buffer = bytearray(seg.size)  # small constants, or a run whose copy failed: gather, write once
+    for within, data in seg.pieces:
+        buffer[within:within + data.size] = memoryview(data)
+    _pwrite_all(fd, buffer, seg.offset)
+
+
+class WeightsWriter:
+    """The weights file of a bundle, written and fsynced on a second thread.
+
+    Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline, and it
+    needs no Python: a handful of `copy_file_range` calls and fsyncs, each releasing the GIL.
+    `start(model)`, called with the model the bundle's models are built from (the lifted
+    model, before the static branches), lays out the runs of its memory-mapped constants and
+    starts copying and flushing them while the passes run. `save_bundle` then checks that
+    layout against the final models: if it holds, it appends the rest; if a pass dropped a
+    constant from a run, it starts over. The file's bytes are the same either way. Use as a
+    context manager: leaving it without `commit` removes the temporary file."""
+
+    def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:
+        self.directory, self.name = Path(directory), name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fd, self.tmp = temp_file(self.directory, f".{name}.")
+        self.primed: list[_Segment] = []
+        self.restarts = 0  # layouts that `finish` found different from the primed one
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            self._stop()
+        except BaseException:
+            if exc_type is None:  # else the error already on its way matters more
+                raise
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self.tmp.unlink(missing_ok=True)
+
+    def start(self, model: ov.Model) -> None:
+        """Begin copying the runs of `model`'s memory-mapped constants, then flushing them
+        (so that the final fsync has little left to write)."""
+        distinct: _Distinct = {}
+        _constants(model, distinct, _Mappings())
+        self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
+        self._submit([*self.primed, ("flush",)])
+
+    def finish(self, segments: list[_Segment], size: int) -> None:
+        """Queue the final layout (all of it) and the fsync; returns at once."""
+        placed = [seg.place() for seg in segments[:len(self.primed)]]
+        if placed != [seg.place() for seg in self.primed]:
+            log.debug("weights: the final layout differs from the one copied during the passes; rewriting")
+            self._stop()
+            os.ftruncate(self.fd, 0)
+            self.primed = []
+            self.restarts += 1
+        self._submit([*segments[len(self.primed):], ("truncate", size), ("flush",)])
+
+    def commit(self) -> Path:
+        """Wait for the thread; rename the finished file into place."""
+        self._stop()
+        os.close(self.fd)
+        self.fd = -1
+        target = self.directory / self.name
+        os.replace(self.tmp, target)
+        return target
+
+    def _submit(self, items: list) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvc-weights", daemon=True)
+            self._thread.start()
+        for item in items:
+            self._queue.put(item)
+
+    def _stop(self) -> None:
+        """Join the thread (after what is queued); re-raise what it failed with."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                if isinstance(item, _Segment):
+                    _write_segment(self.fd, item)
+                elif item[0] == "truncate":  # alignment padding after the last piece, if any
+                    os.ftruncate(self.fd, item[1])
+                else:
+                    os.fsync(self.fd)
+            except BaseException as exc:  # re-raised on the caller's thread by _stop
+                self._error = exc
+
+
+class Bundle:
+    """Several models written as `<name>.xml` files and one shared weights file.
+
+    Models are added as they are built: each is serialized with its Constants as numbered
+    placeholders by OpenVINO on a worker thread (the serializer releases the GIL, so this
+    overlaps building the next model; the model is restored before the next one is
+    touched). `commit` lays out the weights file, points the placeholders at it and renames
+    everything into place. `start_weights(model)` begins copying the weights of the model
+    the others are built from (see WeightsWriter). Use as a context manager: leaving it
+    without `commit` leaves nothing behind."""
+
+    def __init__(self, directory: str | Path, weights_name: str = WEIGHTS_FILE) -> None:
+        self.directory = Path(directory)
+        self.weights = WeightsWriter(self.directory, weights_name)
+        self._distinct: _Distinct = {}
+        self._models: dict[str, tuple[list[tuple[ov.Node, tuple[int, int]]], Future]] = {}
+        self._scratch = _scratch()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-serialize")
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._pool.shutdown(wait=True)
+            self._scratch.cleanup()
+        finally:
+            self.weights.__exit__(*exc)
+
+    def start_weights(self, model: ov.Model) -> None:
+        self.weights.start(model)
+
+    def add(self, name: str, model: ov.Model) -> None:
+        """Serialize `model` as `<name>.xml` in the background; it is back to what it was by
+        the next `add` or `commit`, and must not change until `commit`."""
+        from kvc.ir.naming import canonicalize_friendly_names
+
+        if name in self._models:
+            raise ValueError(f"{name}: added twice")
+        self._settle()
+        canonicalize_friendly_names(model)
+        consts = _constants(model, self._distinct, _Mappings())  # now: the model may be newer than self
+        xml = Path(self._scratch.name) / f"{name}.xml"
+        job = self._pool.submit(_graph_text, model, [node for node, _ in consts], xml)
+        self._models[name] = (consts, job)
+
+    def _settle(self) -> None:
+        """Wait for the model being serialized (it is restored by then)."""
+        if self._models:
+            wait([next(reversed(self._models.values()))[1]])
+
+    def commit(self) -> dict[str, Path]:
+        """Write the weights file and every `.xml`, then rename them into place; return the xmls."""
+        self._settle()
+        offsets, segments, size = _layout(self._distinct)
+        self.weights.finish(segments, size)
+        xml_tmps: dict[str, Path] = {}
+        try:
+            for name, (consts, text) in self._models.items():
+                graph = _point_at_weights(text.result(), [(node, offsets[key]) for node, key in consts], name)
+                fd, xml_tmps[name] = temp_file(self.directory, f".{name}.xml.")
+                with os.fdopen(fd, "w") as f:
+                    f.write(graph)
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.weights.commit()
+            out = {}
+            for name, tmp in xml_tmps.items():
+                os.replace(tmp, self.directory / f"{name}.xml")
+                out[name] = self.directory / f"{name}.xml"
+            fsync_dir(self.directory)
+            return out
+        finally:
+            for tmp in xml_tmps.values():
+                tmp.unlink(missing_ok=True)
+
+
 def save_bundle(models: dict[str, ov.Model], directory: str | Path, weights_name: str = WEIGHTS_FILE) -> dict[str, Path]:
     """Write `<name>.xml` for every model and one shared weights file; return the xml paths."""
-    from kvc.ir.naming import canonicalize_friendly_names
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for model in models.values():
-        canonicalize_friendly_names(model)
-    offsets: dict[tuple[int, int], int] = {}
-    mappings = _Mappings()
-    weights_tmp = Path(tempfile.mkstemp(prefix=f".{weights_name}.", suffix=".tmp", dir=directory)[1])
-    xml_tmps: dict[str, Path] = {}
-    try:
-        with open(weights_tmp, "wb") as weights:
-            for name, model in models.items():
-                consts = [n for n in model.get_ordered_ops() if n.get_type_name() == "Constant"]
-                table = []
-                for node in consts:
-                    key = _key(node)
-                    if key not in offsets:
-                        pad = -weights.tell() % _ALIGN
-                        weights.write(b"\0" * pad)
-                        offsets[key] = weights.tell()
-                        origin = mappings.origin(*key) if key[1] >= _KERNEL_COPY_MIN else None
-                        if origin is None or not _copy_range(origin[0], origin[1], key[1], weights):
-                            weights.write(memoryview(_raw(node)))
-                    table.append((node, offsets[key]))
-                xml_tmps[name] = _write_graph(model, table, directory, name)
-            weights.flush()
-            os.fsync(weights.fileno())
-        os.replace(weights_tmp, directory / weights_name)
-        out = {}
-        for name, tmp in xml_tmps.items():
-            _fsync_file(tmp)
-            os.replace(tmp, directory / f"{name}.xml")
-            out[name] = directory / f"{name}.xml"
-        fsync_dir(directory)
-        return out
-    finally:
-        weights_tmp.unlink(missing_ok=True)
-        for tmp in xml_tmps.values():
-            tmp.unlink(missing_ok=True)
+    with Bundle(directory, weights_name) as bundle:
+        for name, model in models.items():
+            bundle.add(name, model)
+        return bundle.commit()
 
 
-def _write_graph(model: ov.Model, table: list[tuple[ov.Node, int]], directory: Path, name: str) -> Path:
-    """Serialize the graph of `model` with Const layers pointing into the shared weights."""
-    swaps = []
-    for i, (const, offset) in enumerate(table):
-        out = const.output(0)
-        param = ops.parameter(out.get_partial_shape(), out.get_element_type())
-        param.set_friendly_name(f"{_PLACEHOLDER}{i}")
-        names = out.get_names()
-        targets = list(out.get_target_inputs())
-        for t in targets:
-            t.replace_source_output(param.output(0))
-        out.get_tensor().set_names(set())
-        param.output(0).get_tensor().set_names(names)
-        swaps.append((const, param, targets, names))
-    model.add_parameters([p for _, p, _, _ in swaps])
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=directory))
-    try:
-        ov.save_model(model, str(tmp_dir / "graph.xml"), compress_to_fp16=False)
-        text = (tmp_dir / "graph.xml").read_text()
-    finally:
-        for const, param, targets, names in swaps:
+def _scratch() -> tempfile.TemporaryDirectory:
+    """Where OpenVINO writes each graph before kvc rewrites it: memory (/dev/shm) when there is
+    one, so that this does not wait on the journal commits of the weights file's fsync."""
+    shm = Path("/dev/shm")
+    return tempfile.TemporaryDirectory(prefix="kvc-graph-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+
+
+class _Placeholders:
+    """Each Constant renamed `__kvc_const_<i>` for serialization; those of at least
+    `_PLACEHOLDER_MIN` bytes also replaced by a Parameter, so that OpenVINO writes no weights.
+
+    Small constants stay (their bytes go to /dev/null): shape inference, which OpenVINO's
+    serializer runs again, needs the values of shape constants; with them gone the `.xml`
+    would record dynamic dimensions for a static model. `restore` puts everything back."""
+
+    def __init__(self, model: ov.Model, consts: list[ov.Node], replace: bool) -> None:
+        self.model, self.names, self.swaps = model, [], []
+        for i, const in enumerate(consts):
+            self.names.append((const, const.get_friendly_name()))
+            const.set_friendly_name(f"{_PLACEHOLDER}{i}")
+            if not replace or const.get_byte_size() < _PLACEHOLDER_MIN:
+                continue
+            out = const.output(0)
+            param = ov.op.Parameter(out.get_element_type(), out.get_partial_shape())
+            param.set_friendly_name(f"{_PLACEHOLDER}{i}")
+            names = out.get_names()
+            targets = list(out.get_target_inputs())
+            for t in targets:
+                t.replace_source_output(param.output(0))
+            out.get_tensor().set_names(set())
+            param.output(0).get_tensor().set_names(names)
+            self.swaps.append((const, param, targets, names))
+        model.add_parameters([p for _, p, _, _ in self.swaps])
+
+    def restore(self) -> None:
+        for const, param, targets, names in self.swaps:
             for t in targets:
                 t.replace_source_output(const.output(0))
             param.output(0).get_tensor().set_names(set())
             const.output(0).get_tensor().set_names(names)
-            model.remove_parameter(param)
-        for f in tmp_dir.iterdir():
-            f.unlink()
-        tmp_dir.rmdir()
+            self.model.remove_parameter(param)
+        for const, name in self.names:
+            const.set_friendly_name(name)
+        self.swaps = self.names = []
 
+
+def _graph_text(model: ov.Model, consts: list[ov.Node], xml: Path) -> str:
+    """`model` serialized without its weights, Const layers named `__kvc_const_<i>` (to be
+    pointed at the weights file by `_point_at_weights`); `model` is left as it was."""
+    static = all(port.get_partial_shape().is_static for port in model.outputs)
+    for replace in (True, False):
+        placeholders = _Placeholders(model, consts, replace)
+        try:
+            ov.serialize(model, str(xml), os.devnull)
+            text = xml.read_text()
+        finally:
+            placeholders.restore()
+        if not (replace and static and "<dim>-1</dim>" in text):
+            return text
+        # A large constant decided a shape after all: infer again with it, write with all constants.
+        model.validate_nodes_and_infer_types()
+    raise AssertionError("unreachable")
+
+
+_LAYER = re.compile(r'<layer id="(\d+)" name="' + _PLACEHOLDER + r'(\d+)" type="(Parameter|Const)" version="opset1">'
+                    r'(\s*)<data (?:shape="([^"]*)" element_type="([^"]*)"|element_type="([^"]*)" shape="([^"]*)"'
+                    r' offset="\d+" size="\d+") />')
+
+
+def _point_at_weights(text: str, table: list[tuple[ov.Node, int]], name: str) -> str:
+    """Rewrite the `__kvc_const_<i>` layers of a serialized graph into Const layers at their
+    offsets in the shared weights file, under their own names."""
     def to_const(m: re.Match) -> str:
         const, offset = table[int(m.group(2))]
-        size = const.get_byte_size()
         friendly = html.escape(const.get_friendly_name(), quote=True)
-        return (f'<layer id="{m.group(1)}" name="{friendly}" type="Const" version="opset1">{m.group(3)}'
-                f'<data element_type="{m.group(5)}" shape="{m.group(4)}" offset="{offset}" size="{size}" />')
+        shape, etype = (m.group(5), m.group(6)) if m.group(3) == "Parameter" else (m.group(8), m.group(7))
+        return (f'<layer id="{m.group(1)}" name="{friendly}" type="Const" version="opset1">{m.group(4)}'
+                f'<data element_type="{etype}" shape="{shape}" offset="{offset}" size="{const.get_byte_size()}" />')
 
-    pattern = re.compile(r'<layer id="(\d+)" name="' + _PLACEHOLDER + r'(\d+)" type="Parameter" version="opset1">'
-                         r'(\s*)<data shape="([^"]*)" element_type="([^"]*)" />')
-    text, count = pattern.subn(to_const, text)
+    text, count = _LAYER.subn(to_const, text)
     if count != len(table):
         raise RuntimeError(f"{name}: rewrote {count} of {len(table)} constant layers")
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.xml.", suffix=".tmp", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return Path(tmp)
+    return text

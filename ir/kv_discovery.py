@@ -82,7 +82,9 @@ class _Candidate:
 
 def kv_layout(model: ov.Model, file: str = "<model>") -> KVLayout:
     """The KV layout of a stateful or stateless model; InvalidModelError if it has no KV cache."""
-    stateful = any(n.get_type_name() == "ReadValue" for n in model.get_ops())
+    # Variables are registered by every Model built with ReadValues (and by every IR read):
+    # far cheaper than scanning the ops, which static pipelines do a dozen times per compile.
+    stateful = bool(model.get_variables()) or any(n.get_type_name() == "Assign" for n in model.get_sinks())
     candidates = _stateful_candidates(model) if stateful else _stateless_candidates(model)
     if not candidates:
         raise InvalidModelError(

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 from xml.etree.ElementTree import Element
 
 import defusedxml.ElementTree as SafeET
@@ -83,6 +84,8 @@ def _parse_xml(xml_path: Path) -> Element:
         raise InvalidModelError("empty-file", file, "file is empty",
                                 expected="an IR <net> document", found=f"{len(raw)} bytes")
     try:
+        if _no_dtd(raw):  # nothing to defuse: the C parser, 1.5x faster than defusedxml's
+            return ElementTree.fromstring(raw)
         return SafeET.fromstring(raw, forbid_dtd=True, forbid_entities=True,
                                  forbid_external=True)
     except DefusedXmlException as exc:
@@ -92,6 +95,21 @@ def _parse_xml(xml_path: Path) -> Element:
                                 found=str(exc)) from None
     except SafeET.ParseError as exc:
         raise InvalidModelError("not-xml", file, f"not well-formed XML: {exc}") from None
+
+
+_DECLARED_ENCODING = re.compile(rb'^\s*<\?xml[^>]*encoding\s*=\s*["\']([A-Za-z0-9._-]+)["\']')
+
+
+def _no_dtd(raw: bytes) -> bool:
+    """True when `raw` is plainly UTF-8 (or ASCII) and has no DOCTYPE or ENTITY declaration
+    anywhere: every XML attack kvc defends against (entity expansion, external entities and
+    DTDs) needs one, and in an ASCII-compatible encoding it would appear as these bytes."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw[:64]:
+        return False  # UTF-16/32: the markup is not these bytes
+    declared = _DECLARED_ENCODING.match(raw.removeprefix(b"\xef\xbb\xbf"))
+    if declared and declared.group(1).lower() not in (b"utf-8", b"utf8", b"us-ascii", b"ascii"):
+        return False
+    return b"<!DOCTYPE" not in raw and b"<!ENTITY" not in raw
 
 
 def _check_graph(net: Element, file: str, path: str) -> list[tuple[_Layer, Element]]:

@@ -19,6 +19,30 @@ import openvino as ov
 from kvc.errors import UsageError
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # once, at import: os.umask can only be read by setting it (not thread-safe)
+
+
+def temp_file(directory: Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
+    """A new file beside its target, readable like any file the user creates (mkstemp's are
+    0600, which would make a published model unreadable to anyone else)."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, Path(tmp)
+
+
+def temp_dir(directory: Path, prefix: str) -> Path:
+    """A new directory beside its target, with the user's usual permissions (see temp_file)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
+    os.chmod(path, 0o777 & ~_UMASK)
+    return path
+
+
 def fsync_dir(directory: Path) -> None:
     """Make renames in `directory` durable."""
     fd = os.open(directory, os.O_RDONLY)
@@ -41,9 +65,8 @@ def atomic_path(target: str | Path, suffix: str = ""):
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+    fd, tmp_path = temp_file(target.parent, f".{target.name}.", suffix + ".tmp")
     os.close(fd)
-    tmp_path = Path(tmp)
     try:
         yield tmp_path
         _fsync_file(tmp_path)

@@ -70,7 +70,7 @@ class GroupAttention(Pass):
     name: ClassVar[str] = "group-attention"
 
     def run(self, model: ov.Model) -> PassResult:
-        changed = False
+        changed = reinfer = False
         for sdpa in [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"]:
             if sdpa.get_input_size() > 5:
                 log.debug("group-attention: %s has an attention sink; kept", describe_node(sdpa))
@@ -105,10 +105,13 @@ class GroupAttention(Pass):
             weights = ops.softmax(scores, -1)
             out = ops.reshape(ops.matmul(weights, v5, False, False), _i64([B, H, L, D]), False)
             out.set_friendly_name(sdpa.get_friendly_name())
+            # Consumers need inference again only if what they see changed (never, so far).
+            reinfer |= (out.get_output_partial_shape(0) != sdpa.get_output_partial_shape(0)
+                        or out.get_output_element_type(0) != sdpa.get_output_element_type(0))
             take_over(sdpa.output(0), out.output(0))
             log.debug("group-attention: %s over %d KV heads (x%d)", describe_node(sdpa), kv_heads, rep)
             changed = True
-        if changed:
+        if reinfer:
             model.validate_nodes_and_infer_types()
         return PassResult(model, changed)
 

@@ -50,6 +50,27 @@ def test_layout_and_manifest(compiled):
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
 
+def test_outputs_have_the_users_usual_permissions(compiled):
+    """Written under temporary names (mkstemp makes 0600), published like any file the user
+    makes: a compiled directory is meant to be handed to a service or another user."""
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert compiled.stat().st_mode & 0o777 == 0o777 & ~mask
+    for path in compiled.iterdir():
+        if path.is_file():
+            assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path.name
+
+
+def test_static_xmls_record_static_shapes(compiled):
+    """The graphs are serialized without their weights; the shape constants must stay, or
+    OpenVINO re-infers shapes without them and writes -1 dimensions into a static model."""
+    for xml in compiled.glob("*.xml"):
+        if not xml.name.startswith("openvino_"):
+            assert "<dim>-1</dim>" not in xml.read_text(), xml.name
+
+
 def test_one_copy_of_the_weights_on_disk(compiled):
     source_bin = (fixtures.path("llama") / "openvino_model.bin").stat().st_size
     weights = (compiled / "weights.bin").stat().st_size

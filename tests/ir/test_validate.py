@@ -66,6 +66,13 @@ def doctype_entities(d):
                        .replace('name="tiny"', 'name="&b;"'))
 
 
+def doctype_in_utf16(d):
+    """The same bomb where its bytes are not ASCII (kvc's fast path parses only plain UTF-8)."""
+    doctype_entities(d)
+    text = _xml(d).read_text().replace('<?xml version="1.0"?>', '<?xml version="1.0" encoding="UTF-16"?>')
+    _xml(d).write_bytes(text.encode("utf-16"))
+
+
 def missing_bin(d):
     (d / "openvino_model.bin").unlink()
 
@@ -109,6 +116,7 @@ CORPUS = {
     offset_overflow: "offset-overflow",
     duplicate_layer_id: "duplicate-layer-id",
     doctype_entities: "xml-forbidden",
+    doctype_in_utf16: "xml-forbidden",
     missing_bin: "bin-missing",
     path_escape: "path-escape",
     unknown_element_type: "unknown-element-type",

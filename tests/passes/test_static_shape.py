@@ -114,3 +114,17 @@ def test_static_golden_ir(golden):
     lifted.reshape({"x": [1, 2, 1, 4], "past_key_values.0.key": [1, 2, 7, 4], "past_key_values.0.value": [1, 2, 7, 4]})
     out = PassManager(parse_pipeline("kv-io{kv_type=f16,transpose_v=true}"), use_env=False).run(lifted).model
     golden("kv-io/toy.generate.f16.transpose_v", ir.to_text(out))
+
+
+def test_shape_constants_that_do_not_follow_the_inputs_fall_back_to_openvinos_reshape():
+    """A Reshape to a hard-coded [4] cannot take 64 tokens by shape inference alone;
+    OpenVINO's SmartReshape (run by Model.reshape) rewrites it to [-1], and static-shape
+    falls back to it."""
+    model = PassManager(parse_pipeline("lift-state"), use_env=False).run(ir.load(fixtures.path("llama"))).model
+    ids = next(p for p in model.inputs if "input_ids" in p.get_names())
+    flat = ops.reshape(ids, ops.constant(np.array([4], np.int64)), False)
+    flat.output(0).set_names({"flat_ids"})
+    model.add_results([ops.result(flat)])
+    static = PassManager(parse_pipeline("static-shape{kind=prefill,prompt=64}"), use_env=False).run(model).model
+    port = next(p for p in static.outputs if "flat_ids" in p.get_names())
+    assert list(port.get_shape()) == [64]
