@@ -92,17 +92,17 @@ def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
                  bundle: Bundle | None = None) -> StaticModels:
     """Run the common passes once, then one branch per static model. `model` is consumed.
 
-    With a `bundle`, the weights of the lifted model start being copied into it before the
-    branches are built, and each static model is added to it as soon as it is built (saving
-    overlaps the passes; `bundle.commit()` finishes)."""
+    With a `bundle`, the weights of `model` start being copied into it before any pass runs,
+    and each static model is added to it as soon as it is built (saving overlaps the passes;
+    `bundle.commit()` finishes)."""
     plan = options.plan()
     common = options.common_pipeline()
+    if bundle is not None:  # the passes keep the source's weights: start copying them now
+        bundle.start_weights(model)
     run = PassManager(parse_pipeline(common), _branch_instrumentation(instrumentation, "common"),
                       use_env=use_env).run(model)
     lifted = run.model
     canonicalize_friendly_names(lifted)  # once here rather than in every branch's save
-    if bundle is not None:
-        bundle.start_weights(lifted)
     layout = kv_layout(lifted)
     largest = f"generate-{plan.sizes[-1]}"
     result = StaticModels(plan, {}, [])

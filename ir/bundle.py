@@ -10,7 +10,7 @@ distinct constant once into `weights.bin` and points every model's Const layers 
    again, each still at a multiple of 64 bytes, and copied as one run by the kernel
    (`copy_file_range`), never pulled through this process's memory. The copies and the
    fsync run on a second thread (`WeightsWriter`: a handful of calls that release the GIL),
-   started while the passes still run;
+   started before the passes run;
 2. each model is serialized with its Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -192,13 +192,40 @@ def _copy_range(source: _Origin, size: int, dst_fd: int, dst_offset: int) -> boo
                 return False
             done = 0
             while done < size:
-                n = os.copy_file_range(src.fileno(), dst_fd, size - done, source.offset + done, dst_offset + done)
+                n = os.copy_file_range(src.fileno(), dst_fd, min(size - done, _CHUNK), source.offset + done,
+                                       dst_offset + done)
                 if n <= 0:
                     return False
+                _start_writeback(dst_fd, dst_offset + done, n)
                 done += n
             return True
     except OSError:
         return False
+
+
+_CHUNK = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_sync_file_range():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, size: int) -> None:
+    """Have Linux start writing these pages to disk now (a hint): the disk then works while
+    the rest is copied, and the final fsync finds little left to write."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, size, _SYNC_FILE_RANGE_WRITE)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -224,9 +251,9 @@ class WeightsWriter:
 
     Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline, and it
     needs no Python: a handful of `copy_file_range` calls and fsyncs, each releasing the GIL.
-    `start(model)`, called with the model the bundle's models are built from (the lifted
-    model, before the static branches), lays out the runs of its memory-mapped constants and
-    starts copying and flushing them while the passes run. `save_bundle` then checks that
+    `start(model)`, called with the model the bundle's models are built from (as loaded,
+    before any pass), lays out the runs of its memory-mapped constants and starts copying
+    and flushing them while the passes run. `save_bundle` then checks that
     layout against the final models: if it holds, it appends the rest; if a pass dropped a
     constant from a run, it starts over. The file's bytes are the same either way. Use as a
     context manager: leaving it without `commit` removes the temporary file."""

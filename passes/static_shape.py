@@ -184,6 +184,8 @@ def preflight(model: ov.Model, pass_name: str = "static-shape") -> None:
     """Refuse a model with any dynamic dimension, naming the first node, port and dimension."""
     from kvc.passes.base import PassFailure
 
+    if not model.is_dynamic():  # OpenVINO's own check of every op's inputs: 1 ms, not 7
+        return
     for node in model.get_ordered_ops():
         for port in range(node.get_output_size()):
             pshape = node.get_output_partial_shape(port)
