@@ -239,7 +239,8 @@ def _describe(c: _Candidate, label: tuple[int, str], file: str) -> KVTensor:
     rank = pshape.rank.get_length()
     seq = None
     if c.concat is not None:
-        axis = int(c.concat.get_attributes().get("axis", c.concat.get_attributes().get("concat_axis", 0)))
+        attrs = c.concat.get_attributes()
+        axis = int(attrs.get("axis", attrs.get("concat_axis", 0)))
         seq = axis + rank if axis < 0 else axis
     if seq is None and c.init_shape is not None:
         zero = [i for i, d in enumerate(c.init_shape) if d.is_static and d.get_length() == 0]

@@ -164,18 +164,19 @@ def _reshape(model: ov.Model, shapes: dict[int, ov.PartialShape], owner: StaticS
     `Model.reshape`, which first runs OpenVINO's SmartReshape rewrites over the whole graph;
     those only matter to a model whose shape constants do not follow its inputs, so
     `Model.reshape` is the fallback when inference alone fails."""
-    before = {i: model.inputs[i].get_partial_shape() for i in shapes}
+    inputs = model.inputs  # a new list of ports at every access
+    before = {i: inputs[i].get_partial_shape() for i in shapes}
     for i, shape in shapes.items():
-        model.inputs[i].get_node().set_partial_shape(shape)
+        inputs[i].get_node().set_partial_shape(shape)
     try:
         model.validate_nodes_and_infer_types()
         return
     except RuntimeError:  # undo: Model.reshape skips inputs that already match, and its
         for i, shape in before.items():  # rewrites look at the shapes inference left behind
-            model.inputs[i].get_node().set_partial_shape(shape)
+            inputs[i].get_node().set_partial_shape(shape)
         model.validate_nodes_and_infer_types()
     try:
-        model.reshape({model.inputs[i]: s for i, s in shapes.items()})
+        model.reshape({inputs[i]: s for i, s in shapes.items()})
     except RuntimeError as exc:
         raise owner.fail(f"OpenVINO cannot reshape the model: {openvino_reason(exc)}") from None
 
