@@ -61,9 +61,10 @@ def _aligned(offset: int) -> int:
 
 
 class _Origin(NamedTuple):
-    """Where a constant's bytes live on disk: the mapped file (by path and inode) and offset."""
+    """Where a constant's bytes live on disk: the mapped file (path, device, inode) and offset."""
 
     path: str
+    device: int
     inode: int
     offset: int
 
@@ -80,7 +81,9 @@ class _Mappings:
                     path = parts[5].strip() if len(parts) == 6 else ""
                     if path.startswith("/") and not path.endswith(" (deleted)"):
                         start, end = (int(x, 16) for x in parts[0].split("-"))
-                        regions.append((start, end, _Origin(path, int(parts[4]), int(parts[2], 16))))
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        origin = _Origin(path, os.makedev(major, minor), int(parts[4]), int(parts[2], 16))
+                        regions.append((start, end, origin))
         except OSError:  # not Linux: every constant is written from memory
             pass
         regions.sort(key=lambda r: r[0])
@@ -113,46 +116,68 @@ class _Segment:
         return self.offset, self.size, self.source
 
 
-_Distinct = dict[tuple[int, int], tuple[np.ndarray, "_Origin | None"]]
+_Key = tuple  # ("file", device, inode, offset, size) or ("memory", address, size)
+_Distinct = dict[_Key, tuple[np.ndarray, "_Origin | None"]]
 
 
-def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings) -> list[tuple[ov.Node, tuple[int, int]]]:
-    """`model`'s Constants in order with their identities; new ones are added to `distinct`."""
+def _bodies(node: ov.Node) -> list[ov.Model]:
+    kind = node.get_type_name()
+    if kind == "If":
+        return [node.get_then_body(), node.get_else_body()]
+    if kind in ("Loop", "TensorIterator"):
+        return [node.get_function()]
+    return []
+
+
+def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings) -> list[tuple[ov.Node, _Key, bool]]:
+    """`model`'s Constants, those of If/Loop bodies included, with their identities and whether
+    they are at the top level; new ones are added to `distinct`.
+
+    A constant is identified by the file bytes it maps (so the same weights mapped twice are
+    stored once), else by the memory it views."""
     out = []
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != "Constant":
-            continue
-        key, data = _bytes(node)
-        if key not in distinct:
-            distinct[key] = (data, mappings.origin(*key) if key[1] else None)
-        out.append((node, key))
+
+    def visit(graph: ov.Model, top: bool) -> None:
+        for node in graph.get_ordered_ops():
+            for body in _bodies(node):
+                visit(body, False)
+            if node.get_type_name() != "Constant":
+                continue
+            (address, size), data = _bytes(node)
+            origin = mappings.origin(address, size) if size else None
+            key = ("file", origin.device, origin.inode, origin.offset, size) if origin else ("memory", address, size)
+            if key not in distinct:
+                distinct[key] = (data, origin)
+            out.append((node, key, top))
+
+    visit(model, True)
     return out
 
 
-def _layout(distinct: _Distinct) -> tuple[dict[tuple[int, int], int], list[_Segment], int]:
+def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
     """Place every distinct constant in the weights file, each at a multiple of 64 bytes.
 
     Constants that were back to back in a mapped file (and 64 apart modulo their run's start)
     form runs, placed first in file order; the rest follow in first-use order. Returns each
     constant's offset, the segments and the file size."""
-    runs: list[list[tuple[int, int]]] = []  # keys of constants adjacent in one mapped file
+    runs: list[list[_Key]] = []  # keys of constants adjacent in one mapped file
     last: tuple[_Origin, int] | None = None  # (start of the current run, its end) in its file
-    for key in sorted((k for k, (_, o) in distinct.items() if o is not None), key=lambda k: (distinct[k][1], k)):
-        at = distinct[key][1]
-        if (last is not None and last[0][:2] == at[:2] and last[1] == at.offset
+    for key in sorted((k for k in distinct if k[0] == "file"), key=lambda k: (distinct[k][1], k)):
+        at, size = distinct[key][1], key[-1]
+        if (last is not None and last[0][:3] == at[:3] and last[1] == at.offset
                 and (at.offset - last[0].offset) % _ALIGN == 0):
             runs[-1].append(key)
-            last = (last[0], at.offset + key[1])
+            last = (last[0], at.offset + size)
         else:
             runs.append([key])
-            last = (at, at.offset + key[1])
+            last = (at, at.offset + size)
 
-    offsets: dict[tuple[int, int], int] = {}
+    offsets: dict[_Key, int] = {}
     segments: list[_Segment] = []
     end = 0
     for run in runs:
         start = distinct[run[0]][1]
-        size = distinct[run[-1]][1].offset + run[-1][1] - start.offset
+        size = distinct[run[-1]][1].offset + run[-1][-1] - start.offset
         if size < _KERNEL_COPY_MIN:
             continue
         seg = _Segment(_aligned(end), size, start, [])
@@ -167,9 +192,9 @@ def _layout(distinct: _Distinct) -> tuple[dict[tuple[int, int], int], list[_Segm
         if key in offsets:
             continue
         offsets[key] = at = _aligned(end)
-        end = at + key[1]
-        if key[1] >= _KERNEL_COPY_MIN:
-            segments.append(_Segment(at, key[1], None, [(0, data)]))
+        end = at + key[-1]
+        if key[-1] >= _KERNEL_COPY_MIN:
+            segments.append(_Segment(at, key[-1], None, [(0, data)]))
             small = None
             continue
         if small is None:
@@ -188,7 +213,7 @@ def _copy_range(source: _Origin, size: int, dst_fd: int, dst_offset: int) -> boo
     try:
         with open(source.path, "rb") as src:
             stat = os.fstat(src.fileno())
-            if stat.st_ino != source.inode or stat.st_size < source.offset + size:
+            if (stat.st_dev, stat.st_ino) != (source.device, source.inode) or stat.st_size < source.offset + size:
                 return False
             done = 0
             while done < size:
@@ -267,11 +292,14 @@ class WeightsWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._cancelled = False
 
     def __enter__(self) -> WeightsWriter:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            self._cancelled = True  # skip what is queued: the file is being thrown away
         try:
             self._stop()
         except BaseException:
@@ -330,7 +358,7 @@ class WeightsWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
+            if self._error is not None or self._cancelled:
                 continue
             try:
                 if isinstance(item, _Segment):
@@ -358,9 +386,13 @@ class Bundle:
         self.directory = Path(directory)
         self.weights = WeightsWriter(self.directory, weights_name)
         self._distinct: _Distinct = {}
-        self._models: dict[str, tuple[list[tuple[ov.Node, tuple[int, int]]], Future]] = {}
-        self._scratch = _scratch()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-serialize")
+        self._models: dict[str, tuple[list[tuple[ov.Node, _Key, bool]], Future]] = {}
+        try:
+            self._scratch = _scratch()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-serialize")
+        except BaseException:
+            self.weights.__exit__(None, None, None)
+            raise
 
     def __enter__(self) -> Bundle:
         return self
@@ -386,7 +418,7 @@ class Bundle:
         canonicalize_friendly_names(model)
         consts = _constants(model, self._distinct, _Mappings())  # now: the model may be newer than self
         xml = Path(self._scratch.name) / f"{name}.xml"
-        job = self._pool.submit(_graph_text, model, [node for node, _ in consts], xml)
+        job = self._pool.submit(_graph_text, model, [(node, top) for node, _, top in consts], xml)
         self._models[name] = (consts, job)
 
     def _settle(self) -> None:
@@ -395,16 +427,17 @@ class Bundle:
             wait([next(reversed(self._models.values()))[1]])
 
     def commit(self) -> dict[str, Path]:
-        """Write the weights file and every `.xml`, then rename them into place; return the xmls."""
+        """Write the weights file and every `.xml`, then rename them into place (the weights
+        first, so no renamed `.xml` points at a missing or old weights file); return the xmls."""
         self._settle()
         offsets, segments, size = _layout(self._distinct)
         self.weights.finish(segments, size)
         xml_tmps: dict[str, Path] = {}
         try:
             for name, (consts, text) in self._models.items():
-                graph = _point_at_weights(text.result(), [(node, offsets[key]) for node, key in consts], name)
+                graph = _point_at_weights(text.result(), [(node, offsets[key]) for node, key, _ in consts], name)
                 fd, xml_tmps[name] = temp_file(self.directory, f".{name}.xml.")
-                with os.fdopen(fd, "w") as f:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
                     f.write(graph)
                     f.flush()
                     os.fsync(f.fileno())
@@ -435,32 +468,50 @@ def _scratch() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix="kvc-graph-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
 
 
+# Runtime info OpenVINO's reader attaches to every weight and its serializer never writes; a
+# constant with any other (KeepConstPrecision on compressed weights, say) stays a Constant,
+# as a placeholder Parameter cannot carry it from Python.
+_UNWRITTEN_RT_INFO = ("WeightlessCacheAttribute",)
+
+
+def _replaceable(const: ov.Node) -> bool:
+    return (const.get_byte_size() >= _PLACEHOLDER_MIN
+            and all(str(key).startswith(_UNWRITTEN_RT_INFO) for key in const.get_rt_info().keys()))
+
+
 class _Placeholders:
-    """Each Constant renamed `__kvc_const_<i>` for serialization; those of at least
-    `_PLACEHOLDER_MIN` bytes also replaced by a Parameter, so that OpenVINO writes no weights.
+    """Each Constant renamed `__kvc_const_<i>` for serialization; top-level ones of at least
+    `_PLACEHOLDER_MIN` bytes also replaced by a Parameter, so that OpenVINO writes no weights
+    (the others' bytes go to /dev/null).
 
-    Small constants stay (their bytes go to /dev/null): shape inference, which OpenVINO's
-    serializer runs again, needs the values of shape constants; with them gone the `.xml`
-    would record dynamic dimensions for a static model. `restore` puts everything back."""
+    Small constants stay: shape inference, which OpenVINO's serializer runs again, needs the
+    values of shape constants. Constants inside If/Loop bodies stay (a body's Parameters are
+    its inputs). `restore` puts everything back, also after a failure half-way."""
 
-    def __init__(self, model: ov.Model, consts: list[ov.Node], replace: bool) -> None:
-        self.model, self.names, self.swaps = model, [], []
-        for i, const in enumerate(consts):
-            self.names.append((const, const.get_friendly_name()))
-            const.set_friendly_name(f"{_PLACEHOLDER}{i}")
-            if not replace or const.get_byte_size() < _PLACEHOLDER_MIN:
-                continue
-            out = const.output(0)
-            param = ov.op.Parameter(out.get_element_type(), out.get_partial_shape())
-            param.set_friendly_name(f"{_PLACEHOLDER}{i}")
-            names = out.get_names()
-            targets = list(out.get_target_inputs())
-            for t in targets:
-                t.replace_source_output(param.output(0))
-            out.get_tensor().set_names(set())
-            param.output(0).get_tensor().set_names(names)
-            self.swaps.append((const, param, targets, names))
-        model.add_parameters([p for _, p, _, _ in self.swaps])
+    def __init__(self, model: ov.Model, consts: list[tuple[ov.Node, bool]], replace: bool) -> None:
+        self.model, self.names, self.swaps, self.added = model, [], [], False
+        try:
+            for i, (const, top) in enumerate(consts):
+                self.names.append((const, const.get_friendly_name()))
+                const.set_friendly_name(f"{_PLACEHOLDER}{i}")
+                if replace and top and _replaceable(const):
+                    self._swap(const, i)
+            model.add_parameters([param for _, param, _, _ in self.swaps])
+            self.added = True
+        except BaseException:
+            self.restore()
+            raise
+
+    def _swap(self, const: ov.Node, i: int) -> None:
+        out = const.output(0)
+        param = ov.op.Parameter(out.get_element_type(), out.get_partial_shape())
+        param.set_friendly_name(f"{_PLACEHOLDER}{i}")
+        names, targets = out.get_names(), list(out.get_target_inputs())
+        self.swaps.append((const, param, targets, names))  # before any change: restore undoes all
+        for t in targets:
+            t.replace_source_output(param.output(0))
+        out.get_tensor().set_names(set())
+        param.output(0).get_tensor().set_names(names)
 
     def restore(self) -> None:
         for const, param, targets, names in self.swaps:
@@ -468,26 +519,32 @@ class _Placeholders:
                 t.replace_source_output(const.output(0))
             param.output(0).get_tensor().set_names(set())
             const.output(0).get_tensor().set_names(names)
-            self.model.remove_parameter(param)
+            if self.added:
+                self.model.remove_parameter(param)
         for const, name in self.names:
             const.set_friendly_name(name)
-        self.swaps = self.names = []
+        self.swaps, self.names, self.added = [], [], False
 
 
-def _graph_text(model: ov.Model, consts: list[ov.Node], xml: Path) -> str:
+def _graph_text(model: ov.Model, consts: list[tuple[ov.Node, bool]], xml: Path) -> str:
     """`model` serialized without its weights, Const layers named `__kvc_const_<i>` (to be
-    pointed at the weights file by `_point_at_weights`); `model` is left as it was."""
-    static = all(port.get_partial_shape().is_static for port in model.outputs)
-    for replace in (True, False):
+    pointed at the weights file by `_point_at_weights`); `model` is left as it was.
+
+    OpenVINO's serializer infers shapes again, with the placeholders in place. A static model
+    that stays static kept every shape; otherwise (a large constant decided a shape, or the
+    model has dynamic shapes to lose precision in) it is inferred again with its constants and
+    written with all of them, so the `.xml` and the model keep their true shapes."""
+    static = not model.is_dynamic()
+    for replace in (static, False):
         placeholders = _Placeholders(model, consts, replace)
         try:
             ov.serialize(model, str(xml), os.devnull)
-            text = xml.read_text()
+            text = xml.read_text(encoding="utf-8")
+            lost = replace and model.is_dynamic()
         finally:
             placeholders.restore()
-        if not (replace and static and "<dim>-1</dim>" in text):
+        if not lost:
             return text
-        # A large constant decided a shape after all: infer again with it, write with all constants.
         model.validate_nodes_and_infer_types()
     raise AssertionError("unreachable")
 

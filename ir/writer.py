@@ -19,27 +19,40 @@ import openvino as ov
 from kvc.errors import UsageError
 
 
-def _read_umask() -> int:
+def _umask_by_setting() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-_UMASK = _read_umask()  # once, at import: os.umask can only be read by setting it (not thread-safe)
+_IMPORT_UMASK = _umask_by_setting()  # os.umask can only be read by setting it: not thread-safe
+
+
+def _umask() -> int:
+    """The process's current umask: Linux shows it in /proc/self/status (no setting needed);
+    elsewhere, the one at import."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
 
 
 def temp_file(directory: Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
     """A new file beside its target, readable like any file the user creates (mkstemp's are
     0600, which would make a published model unreadable to anyone else)."""
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
-    os.fchmod(fd, 0o666 & ~_UMASK)
+    os.fchmod(fd, 0o666 & ~_umask())
     return fd, Path(tmp)
 
 
 def temp_dir(directory: Path, prefix: str) -> Path:
     """A new directory beside its target, with the user's usual permissions (see temp_file)."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=directory))
-    os.chmod(path, 0o777 & ~_UMASK)
+    os.chmod(path, 0o777 & ~_umask())
     return path
 
 

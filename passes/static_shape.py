@@ -171,11 +171,12 @@ def _reshape(model: ov.Model, shapes: dict[int, ov.PartialShape], owner: StaticS
     try:
         model.validate_nodes_and_infer_types()
         return
-    except RuntimeError:  # undo: Model.reshape skips inputs that already match, and its
-        for i, shape in before.items():  # rewrites look at the shapes inference left behind
+    except RuntimeError:
+        pass
+    try:  # undo first: Model.reshape skips inputs that already match, and its rewrites look
+        for i, shape in before.items():  # at the shapes that inference left behind
             inputs[i].get_node().set_partial_shape(shape)
         model.validate_nodes_and_infer_types()
-    try:
         model.reshape({inputs[i]: s for i, s in shapes.items()})
     except RuntimeError as exc:
         raise owner.fail(f"OpenVINO cannot reshape the model: {openvino_reason(exc)}") from None

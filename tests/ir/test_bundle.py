@@ -152,3 +152,99 @@ def test_a_replaced_source_file_is_not_copied_from(tmp_path, kernel_copies):
     save_bundle({"m": model}, tmp_path / "out")
     assert kernel_copies["copied"] == 0
     assert ir.to_text(ir.load(tmp_path / "out" / "m.xml", weights=tmp_path / "out" / "weights.bin")) == want
+
+
+def _if_model():
+    """An If whose bodies hold constants, beside a 400 KB top-level weight."""
+    import openvino.opset13 as ops
+
+    x = ops.parameter([4], np.float32, name="x")
+    x.output(0).set_names({"x"})
+    then_x, else_x = ops.parameter([4], np.float32), ops.parameter([4], np.float32)
+    then_body = ov.Model([ops.result(ops.add(then_x, ops.constant(np.arange(4, dtype=np.float32) + 100)))], [then_x])
+    else_body = ov.Model([ops.result(ops.add(else_x, ops.constant(np.full(4, -1, np.float32))))], [else_x])
+    branch = ov.opset8.if_op(ops.constant(np.array(True)))
+    branch.set_then_body(then_body)
+    branch.set_else_body(else_body)
+    branch.set_input(x.output(0), then_x, else_x)
+    out = branch.set_output(then_body.get_results()[0], else_body.get_results()[0])
+    big = ops.constant(np.arange(100000, dtype=np.float32))
+    total = ops.reduce_sum(big, ops.constant(np.array([0], np.int64)), keep_dims=True)
+    return ov.Model([ops.result(out), ops.result(total)], [x])
+
+
+def test_constants_inside_if_bodies_are_saved(tmp_path):
+    """Subgraph bodies' constants get offsets in the shared weights file like any other."""
+    model = _if_model()
+    xml = save_bundle({"m": model}, tmp_path)["m"]
+    feed = {"x": np.zeros(4, np.float32)}
+    core = ov.Core()
+    want = core.compile_model(model, "CPU")(feed)
+    got = core.compile_model(core.read_model(str(xml), str(tmp_path / "weights.bin")), "CPU")(feed)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[0], np.arange(4, dtype=np.float32) + 100)
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_a_dynamic_model_keeps_its_shapes(tmp_path):
+    """A Range whose length is read from a large constant: with the constant out of the graph
+    its length would be unknown. Saving keeps the model's (and the file's) shapes."""
+    import openvino.opset13 as ops
+
+    x = ops.parameter([-1], np.float32, name="x")
+    table = ops.constant(np.full(2048, 3, np.int64))
+    stop = ops.squeeze(ops.gather(table, ops.constant(np.array([0])), ops.constant(np.int64(0))),
+                       ops.constant(np.array([0])))
+    rng = ops.range(ops.constant(np.int64(0)), stop, ops.constant(np.int64(1)), "f32")
+    model = ov.Model([ops.result(rng), ops.result(ops.relu(x))], [x])
+    before = [str(n.get_output_partial_shape(0)) for n in model.get_ordered_ops() if n.get_output_size()]
+    xml = save_bundle({"m": model}, tmp_path)["m"]
+    assert [str(n.get_output_partial_shape(0)) for n in model.get_ordered_ops() if n.get_output_size()] == before
+    assert "[3]" in before
+    assert "<dim>3</dim>" in xml.read_text()
+
+
+def test_runtime_info_of_a_weight_is_kept(tmp_path):
+    """A weight carrying runtime info (as compressed weights carry KeepConstPrecision) is
+    written with it, as OpenVINO's own save_model writes it."""
+    import openvino.opset13 as ops
+
+    x = ops.parameter([4, 1024], np.float32, name="x")
+    w = ops.constant(np.ones((1024, 8), np.float32))
+    w.get_rt_info()["precise_0"] = ""  # DisablePrecisionConversion, as OpenVINO writes it
+    model = ov.Model([ops.result(ops.matmul(x, w, False, False))], [x])
+    ov.save_model(model, str(tmp_path / "ref.xml"), compress_to_fp16=False)
+    want = re.findall(r"<attribute[^>]*>", (tmp_path / "ref.xml").read_text())
+    xml = save_bundle({"m": model}, tmp_path / "b")["m"]
+    assert want and re.findall(r"<attribute[^>]*>", xml.read_text()) == want
+
+
+def test_a_failure_while_swapping_leaves_the_model_whole(monkeypatch):
+    """If building the placeholders fails half-way, what was done is undone."""
+    model = _static().models["generate-80"]
+    before = _texts({"m": model})["m"]
+    consts = [(node, True) for node in model.get_ordered_ops() if node.get_type_name() == "Constant"]
+    made = []
+    real = ov.op.Parameter
+
+    def failing(*args):
+        made.append(args)
+        if len(made) == 3:
+            raise RuntimeError("out of parameters")
+        return real(*args)
+
+    monkeypatch.setattr(bundle_mod.ov.op, "Parameter", failing)
+    with pytest.raises(RuntimeError, match="out of parameters"):
+        bundle_mod._Placeholders(model, consts, True)
+    monkeypatch.undo()
+    assert len(made) == 3
+    assert ir.to_text(model) == before
+
+
+def test_the_same_weights_file_loaded_twice_is_stored_once(tmp_path):
+    """Two models read from the same files map the same bytes at different addresses: one copy."""
+    a, b = ir.load(fixtures.path("llama")), ir.load(fixtures.path("llama"))
+    save_bundle({"a": a, "b": b}, tmp_path)
+    source = (fixtures.path("llama") / "openvino_model.bin").stat().st_size
+    assert (tmp_path / "weights.bin").stat().st_size < 1.05 * source
+    assert _const_layers((tmp_path / "a.xml").read_text()) == _const_layers((tmp_path / "b.xml").read_text())
