@@ -4,14 +4,14 @@ A static pipeline is one prefill model and several generate variants of the same
 saving each with `ov.save_model` would write every weight once per model. kvc writes each
 distinct constant once into `weights.bin` and points every model's Const layers at it:
 
-1. constants are identified by the memory they view (OpenVINO clones and reshapes share a
-   Constant's buffer, and weights stay memory-mapped from the input), so deduplication costs
-   no hashing; constants that lie back to back in a mapped file are laid out back to back
-   again, each still at a multiple of 64 bytes, and copied as one run by the kernel
-   (`copy_file_range`), never pulled through this process's memory. The copies and the
-   fsync run on a second thread (`WeightsWriter`: a handful of calls that release the GIL),
-   started before the passes run;
-2. each model is serialized with its Constants temporarily replaced by placeholder
+1. constants are identified by the file bytes they map (weights stay memory-mapped from the
+   input), else by the memory they view (OpenVINO clones and reshapes share a Constant's
+   buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
+   file are laid out back to back again, each still at a multiple of 64 bytes, and copied as
+   one run by the kernel (`copy_file_range`), never pulled through this process's memory.
+   The copies and the fsync run on a second thread (`WeightsWriter`: a handful of calls
+   that release the GIL), started before the passes run;
+2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
 
@@ -50,7 +50,7 @@ _KERNEL_COPY_MIN = 1 << 16  # smaller runs are cheaper to write from memory
 
 
 def _bytes(node: ov.Node) -> tuple[tuple[int, int], np.ndarray]:
-    """A Constant's identity (address and size of the memory it views) and its bytes (a view)."""
+    """Where a Constant's data is (address and size of the memory it views) and its bytes (a view)."""
     data = np.asarray(node.get_data())
     key = data.__array_interface__["data"][0], node.get_byte_size()
     return key, np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -278,9 +278,9 @@ class WeightsWriter:
     needs no Python: a handful of `copy_file_range` calls and fsyncs, each releasing the GIL.
     `start(model)`, called with the model the bundle's models are built from (as loaded,
     before any pass), lays out the runs of its memory-mapped constants and starts copying
-    and flushing them while the passes run. `save_bundle` then checks that
-    layout against the final models: if it holds, it appends the rest; if a pass dropped a
-    constant from a run, it starts over. The file's bytes are the same either way. Use as a
+    and flushing them while the passes run. `finish` then checks that layout against the
+    final models' (from `Bundle.commit`): if it holds, it appends the rest; if a pass dropped
+    a constant from a run, it starts over. The file's bytes are the same either way. Use as a
     context manager: leaving it without `commit` removes the temporary file."""
 
     def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:

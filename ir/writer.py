@@ -19,18 +19,9 @@ import openvino as ov
 from kvc.errors import UsageError
 
 
-def _umask_by_setting() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_IMPORT_UMASK = _umask_by_setting()  # os.umask can only be read by setting it: not thread-safe
-
-
 def _umask() -> int:
-    """The process's current umask: Linux shows it in /proc/self/status (no setting needed);
-    elsewhere, the one at import."""
+    """The process's current umask. Linux shows it in /proc/self/status; elsewhere it can only
+    be read by setting it and back (not thread-safe, so only there)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -38,7 +29,9 @@ def _umask() -> int:
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
-    return _IMPORT_UMASK
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def temp_file(directory: Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
