@@ -131,9 +131,9 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def bench_work(reps: int) -> dict:
+def bench_work(reps: int, precisions: tuple[str, ...] = ("fp16", "fp32")) -> dict:
     report = {}
-    for precision in ("fp16", "fp32"):
+    for precision in precisions:
         model = MODELS / f"llama-250m-{precision}"
         kvc_runs, npuw_runs = [], []
         for _ in range(reps):  # alternate, so both see the same machine
@@ -210,11 +210,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--weights", choices=["fp16", "fp32"], action="append",
+                    help="work: only these weights (default: both)")
     args = ap.parse_args()
     (BENCH / ".results").mkdir(exist_ok=True)
     report = {}
     if args.what in ("work", "all"):
-        report["work"] = bench_work(args.reps)
+        report["work"] = bench_work(args.reps, tuple(args.weights or ("fp16", "fp32")))
     if args.what in ("e2e", "all"):
         report["e2e"] = bench_e2e(args.reps)
     if args.what in ("decode", "all"):

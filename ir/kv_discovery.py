@@ -234,37 +234,52 @@ def _trace_to_source(output: ov.Output, sources: dict) -> tuple[ov.Node, int] | 
     return None
 
 
+def _dims(pshape: ov.PartialShape) -> list[str] | None:
+    """Each dimension as OpenVINO prints it ("4", "?", "1..8"), None for a dynamic rank;
+    iterating the Dimension objects costs 30x more, and layouts are taken a dozen times per
+    compile."""
+    if pshape.rank.is_dynamic:
+        return None
+    text = str(pshape)
+    return text[1:-1].split(",") if text != "[]" else []
+
+
 def _describe(c: _Candidate, label: tuple[int, str], file: str) -> KVTensor:
     pshape = c.source.get_partial_shape()
-    rank = pshape.rank.get_length()
+    dims = _dims(pshape)
+    name = c.variable_id or c.input_name
+    if dims is None:
+        raise InvalidModelError("kv-axes", file, f"KV tensor {name} has a dynamic rank",
+                                expected="a tensor of rank 3 or 4", found=f"shape {pshape}")
+    rank = len(dims)
+    init = _dims(c.init_shape) if c.init_shape is not None else None
     seq = None
     if c.concat is not None:
         attrs = c.concat.get_attributes()
         axis = int(attrs.get("axis", attrs.get("concat_axis", 0)))
         seq = axis + rank if axis < 0 else axis
-    if seq is None and c.init_shape is not None:
-        zero = [i for i, d in enumerate(c.init_shape) if d.is_static and d.get_length() == 0]
+    if seq is None and init is not None:
+        zero = [i for i, d in enumerate(init) if d == "0"]
         seq = zero[0] if len(zero) == 1 else None
     batch = c.gather_axis
     if batch is not None and batch < 0:
         batch += rank
-    if batch is None and c.init_shape is not None:
-        dyn = [i for i, d in enumerate(c.init_shape) if d.is_dynamic and i != seq]
+    if batch is None and init is not None:
+        dyn = [i for i, d in enumerate(init) if not d.isdigit() and i != seq]
         batch = dyn[0] if len(dyn) == 1 else None
     if batch is None:
-        dyn = [i for i, d in enumerate(pshape) if d.is_dynamic and i != seq]
+        dyn = [i for i, d in enumerate(dims) if not d.isdigit() and i != seq]
         batch = dyn[0] if len(dyn) == 1 else (0 if seq != 0 else 1)
-    name = c.variable_id or c.input_name
     if seq is None:
         raise InvalidModelError("kv-axes", file, f"cannot find the sequence axis of KV tensor {name}",
                                 expected="a Concat appending to it or a zero-length initial value",
                                 found=f"shape {pshape}")
-    rest = [pshape[i] for i in range(rank) if i not in (batch, seq)]
+    rest = [dims[i] for i in range(rank) if i not in (batch, seq)]
     heads = head_size = None
-    if rank == 4 and all(d.is_static for d in rest):
-        heads, head_size = rest[0].get_length(), rest[1].get_length()
-    elif rank == 3 and len(rest) == 1 and rest[0].is_static:
-        head_size = rest[0].get_length()
+    if rank == 4 and all(d.isdigit() for d in rest):
+        heads, head_size = int(rest[0]), int(rest[1])
+    elif rank == 3 and len(rest) == 1 and rest[0].isdigit():
+        head_size = int(rest[0])
     return KVTensor(layer=label[0], kind=label[1], element_type=c.source.get_element_type().get_type_name(),
                     shape=str(pshape), batch_axis=batch, seq_axis=seq, heads=heads, head_size=head_size,
                     variable_id=c.variable_id, input_name=c.input_name, output_name=c.output_name)

@@ -59,6 +59,8 @@ def format_value(v) -> str:
 
 
 def format_type(etype: ov.Type, pshape: ov.PartialShape) -> str:
+    if pshape.is_static:  # OpenVINO prints static shapes as kvc does, 20x faster
+        return etype.get_type_name() + str(pshape)
     if pshape.rank.is_dynamic:
         dims = "..."
     else:
@@ -203,15 +205,17 @@ def _base_name(node: ov.Node, naming: Naming) -> tuple[str, bool]:
     return f"{tname}#{h.hexdigest()}", True
 
 
-def canonicalize_friendly_names(model: ov.Model) -> int:
+def canonicalize_friendly_names(model: ov.Model, ops: list[ov.Node] | None = None) -> int:
     """Replace counter-made friendly names (``Constant_2638``) by stable ones, so a saved file
     does not depend on which process built the model. Returns how many changed.
 
     A renamed node is called ``<Type>#<hash>`` over its type, version, attributes and the
     (already stable) names of the nodes feeding it, or, for a Constant, its type, shape and
-    bytes. Friendly names carry no semantics (inputs and outputs are found by tensor name)."""
+    bytes. Friendly names carry no semantics (inputs and outputs are found by tensor name).
+    `ops` is `model.get_ordered_ops()` if the caller has it already."""
     changed, taken = 0, set()
-    for node in model.get_ordered_ops():
+    next_suffix: dict[str, int] = {}  # hashed name -> the first ~k not yet tried
+    for node in model.get_ordered_ops() if ops is None else ops:
         name = node.get_friendly_name()
         if not is_counter_name(name):
             taken.add(name)
@@ -228,9 +232,12 @@ def canonicalize_friendly_names(model: ov.Model) -> int:
             for inp in node.inputs():
                 src = inp.get_source_output()
                 h.update(f"|<{src.get_node().get_friendly_name()}:{src.get_index()}".encode())
-        new, k = f"{tname}#{h.hexdigest()}", 2
-        while new in taken:
-            new, k = f"{tname}#{h.hexdigest()}~{k}", k + 1
+        new = base = f"{tname}#{h.hexdigest()}"
+        if new in taken:  # structurally equal nodes: ~2, ~3, ... in order
+            k = next_suffix.get(base, 2)
+            while f"{base}~{k}" in taken:
+                k += 1
+            new, next_suffix[base] = f"{base}~{k}", k + 1
         taken.add(new)
         node.set_friendly_name(new)
         changed += 1

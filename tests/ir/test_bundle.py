@@ -37,21 +37,21 @@ def _const_layers(xml_text):
 
 @pytest.fixture
 def kernel_copies(monkeypatch):
-    """Count the bytes copied file-to-file and those written from this process's memory."""
+    """Count the bytes read from the weights' own file and those copied from this process's memory."""
     counts = {"copied": 0, "written": 0}
-    copy, pwrite = bundle_mod._copy_range, bundle_mod._pwrite_all
+    put_file, put_memory = bundle_mod._Stream._put_file, bundle_mod._Stream._put_memory
 
-    def counting_copy(source, size, fd, offset):
-        ok = copy(source, size, fd, offset)
-        counts["copied"] += size if ok else 0
-        return ok
+    def counting_file(stream, source, size):
+        before = stream.base + stream.fill
+        put_file(stream, source, size)
+        counts["copied"] += stream.base + stream.fill - before
 
-    def counting_pwrite(fd, data, offset):
-        counts["written"] += memoryview(data).nbytes
-        pwrite(fd, data, offset)
+    def counting_memory(stream, data):
+        counts["written"] += len(data)
+        put_memory(stream, data)
 
-    monkeypatch.setattr(bundle_mod, "_copy_range", counting_copy)
-    monkeypatch.setattr(bundle_mod, "_pwrite_all", counting_pwrite)
+    monkeypatch.setattr(bundle_mod._Stream, "_put_file", counting_file)
+    monkeypatch.setattr(bundle_mod._Stream, "_put_memory", counting_memory)
     return counts
 
 
