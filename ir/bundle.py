@@ -7,10 +7,11 @@ distinct constant once into `weights.bin` and points every model's Const layers 
 1. constants are identified by the file bytes they map (weights stay memory-mapped from the
    input), else by the memory they view (OpenVINO clones and reshapes share a Constant's
    buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
-   file are laid out back to back again, each still at a multiple of 64 bytes, and copied as
-   one run by the kernel (`copy_file_range`), never pulled through this process's memory.
-   The copies and the fsync run on a second thread (`WeightsWriter`: a handful of calls
-   that release the GIL), started before the passes run;
+   file are laid out back to back again, each still at a multiple of 64 bytes, and read
+   from that file as one run into a staging buffer that goes to disk with O_DIRECT (the
+   model's mapped pages are not touched, and the page cache is skipped). The copies and the
+   fsync run on background threads (`WeightsWriter`: a few calls that release the GIL),
+   started as soon as the input is validated, before OpenVINO even reads it;
 2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -112,7 +113,7 @@ class _Mappings:
 class _Segment:
     """A stretch of the weights file: constants back to back, from one source.
 
-    `source` is where to copy the whole stretch from (kernel-side); the `pieces` (offset
+    `source` is where to read the whole stretch from (its file); the `pieces` (offset
     within the segment, bytes) are what is written when there is no source or the copy fails."""
 
     offset: int
@@ -121,7 +122,9 @@ class _Segment:
     pieces: list[tuple[int, np.ndarray]]
 
     def place(self) -> tuple:
-        return self.offset, self.size, self.source
+        """Where the segment goes and what it holds (the source file by device and inode:
+        its path may be spelled differently by /proc/self/maps)."""
+        return self.offset, self.size, self.source[1:] if self.source is not None else None
 
 
 _Key = tuple  # ("file", device, inode, offset, size) or ("memory", address, size)
@@ -220,7 +223,7 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
     return offsets, segments, end
 
 
-_CHUNK = 32 << 20  # each staging buffer: large enough for the disk, small next to the weights
+_CHUNK = 64 << 20  # each staging buffer: large enough for the disk, small next to the weights
 _BLOCK = 4096  # O_DIRECT offsets and lengths are multiples of this (or of a divisor of it)
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -277,12 +280,14 @@ class _Stream:
         self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(2)]
         self.view = self.buffers[0]
         self.base = self.fill = 0  # `view` holds the file's bytes [base, base + fill)
+        self.short = False  # a segment lacked bytes: its file gave less and nothing was in memory
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="kvc-disk")
         self._pending: Future | None = None  # the other buffer, on its way to disk
 
     def reset(self) -> None:
         self.settle()
         self.base = self.fill = 0
+        self.short = False
 
     def settle(self) -> None:
         """Wait for the write in flight; re-raise its error."""
@@ -298,7 +303,12 @@ class _Stream:
         self._pad_to(seg.offset)
         if seg.source is not None:
             self._put_file(seg.source, seg.size)
+        if self.base + self.fill >= seg.offset + seg.size:
+            return
         for within, data in seg.pieces:  # what the file did not give (all, without a source)
+            if data is None:  # known by its place in the file alone: nothing to fall back on
+                self.short = True
+                return
             start, view = seg.offset + within, memoryview(data).cast("B")
             done = max(0, self.base + self.fill - start)
             if done < len(view):
@@ -385,13 +395,14 @@ class WeightsWriter:
     """The weights file of a bundle, written and fsynced on a second thread.
 
     Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline, and it
-    needs no Python: a handful of `copy_file_range` calls and fsyncs, each releasing the GIL.
-    `start(model)`, called with the model the bundle's models are built from (as loaded,
-    before any pass), lays out the runs of its memory-mapped constants and starts copying
-    and flushing them while the passes run. `finish` then checks that layout against the
-    final models' (from `Bundle.commit`): if it holds, it appends the rest; if a pass dropped
-    a constant from a run, it starts over. The file's bytes are the same either way. Use as a
-    context manager: leaving it without `commit` removes the temporary file."""
+    needs little Python: a few reads and writes per 64 MB (`_Stream`), each releasing the
+    GIL. `start_file(weights, consts)` (with what validation found in the input's weights
+    file) or `start(model)` (with the model the bundle's models are built from, as loaded)
+    lays out the runs of those constants and starts copying them while the passes run.
+    `finish` then checks that layout against the final models' (from `Bundle.commit`): if it
+    holds, it appends the rest; if a pass dropped a constant from a run, or the file changed
+    meanwhile, it starts over. The file's bytes are the same either way. Use as a context
+    manager: leaving it without `commit` removes the temporary file."""
 
     def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:
         self.directory, self.name = Path(directory), name
@@ -405,6 +416,7 @@ class WeightsWriter:
             raise
         self.primed: list[_Segment] = []
         self.restarts = 0  # layouts that `finish` found different from the primed one
+        self._file_only = False  # primed by `start_file`: no bytes in memory to fall back on
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -429,22 +441,44 @@ class WeightsWriter:
             self.tmp.unlink(missing_ok=True)
 
     def start(self, model: ov.Model) -> None:
-        """Begin copying the runs of `model`'s memory-mapped constants, then flushing them
-        (so that the final fsync has little left to write)."""
+        """Begin copying the runs of `model`'s memory-mapped constants (unless `start_file`
+        already began)."""
+        if self._thread is not None:
+            return
         distinct: _Distinct = {}
         _constants(model, distinct, _Mappings())
         self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
         self._submit(self.primed)
 
+    def start_file(self, path: Path, consts: list[tuple[int, int]]) -> None:
+        """Begin copying the runs of the constants at (offset, size) in the weights file
+        `path`, before OpenVINO has even read the model that maps them: as `start` would for
+        that model, with nothing in memory to fall back on if the file changes meanwhile
+        (`finish` then starts over)."""
+        if self._thread is not None:
+            return
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return
+        where = os.path.realpath(path)
+        distinct: _Distinct = {("file", stat.st_dev, stat.st_ino, offset, size):
+                               (None, _Origin(where, stat.st_dev, stat.st_ino, offset)) for offset, size in consts}
+        self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
+        self._file_only = True
+        self._submit(self.primed)
+
     def finish(self, segments: list[_Segment], size: int) -> None:
         """Queue the final layout (all of it) and the fsync; returns at once."""
         placed = [seg.place() for seg in segments[:len(self.primed)]]
-        if placed != [seg.place() for seg in self.primed]:
+        if self._file_only:
+            self._stop()  # primed from the file alone: did the file give all of it?
+        if placed != [seg.place() for seg in self.primed] or self.stream.short:
             log.debug("weights: the final layout differs from the one copied during the passes; rewriting")
             self._stop()
             self.stream.reset()
             os.ftruncate(self.fd, 0)
-            self.primed = []
+            self.primed, self._file_only = [], False
             self.restarts += 1
         self._submit([*segments[len(self.primed):], size])
 
@@ -495,13 +529,12 @@ class WeightsWriter:
 class Bundle:
     """Several models written as `<name>.xml` files and one shared weights file.
 
-    Models are added as they are built: each is serialized with its Constants as numbered
-    placeholders by OpenVINO on a worker thread (the serializer releases the GIL, so this
-    overlaps building the next model; the model is restored before the next one is
-    touched). `commit` lays out the weights file, points the placeholders at it and renames
-    everything into place. `start_weights(model)` begins copying the weights of the model
-    the others are built from (see WeightsWriter). Use as a context manager: leaving it
-    without `commit` leaves nothing behind."""
+    Models are added as they are built: each is serialized at once with its Constants as
+    numbered placeholders, and restored. `commit` lays out the weights file, points the
+    placeholders at it and renames everything into place. `start_weights_file` (from
+    `kvc.ir.load(..., validated=)`) or `start_weights(model)` begins copying the weights of
+    the model the others are built from (see WeightsWriter). Use as a context manager:
+    leaving it without `commit` leaves nothing behind."""
 
     def __init__(self, directory: str | Path, weights_name: str = WEIGHTS_FILE) -> None:
         self.directory = Path(directory)
@@ -525,6 +558,11 @@ class Bundle:
 
     def start_weights(self, model: ov.Model) -> None:
         self.weights.start(model)
+
+    def start_weights_file(self, path: Path, consts: list[tuple[int, int]]) -> None:
+        """`kvc.ir.load(..., validated=bundle.start_weights_file)` starts copying the model's
+        weights before OpenVINO reads it (see WeightsWriter.start_file)."""
+        self.weights.start_file(path, consts)
 
     def add(self, name: str, model: ov.Model) -> None:
         """Serialize the graph of `model` for `<name>.xml` (it must not change until `commit`).

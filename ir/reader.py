@@ -7,6 +7,7 @@ its graph, not its weights. kvc's own ops are registered on the shared Core befo
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +78,14 @@ def _resolve_dir(d: Path) -> ModelFiles:
                             found=", ".join(found) or "no model files")
 
 
-def load(path: str | Path, *, weights: str | Path | None = None, validate: bool = True) -> ov.Model:
+def load(path: str | Path, *, weights: str | Path | None = None, validate: bool = True,
+         validated: Callable[[Path, list[tuple[int, int]]], None] | None = None) -> ov.Model:
     """Read a model after validating its files; the model's friendly name is kept as exported.
 
     `weights` names the IR's weights file when it is not `<stem>.bin` beside the `.xml` (the
     shared `weights.bin` of a compiled directory); it must stay inside the model's directory.
+    `validated(bin, consts)` is called between validating an IR and reading it, with where
+    its Consts are in its weights file (a `Bundle` starts copying them then).
     """
     files = resolve(path)
     if weights is not None:
@@ -91,7 +95,9 @@ def load(path: str | Path, *, weights: str | Path | None = None, validate: bool 
                                                            "weights file"), files.root)
     if validate:
         if files.kind == "ir":
-            validate_ir(files.model, files.weights)
+            consts = validate_ir(files.model, files.weights)
+            if validated is not None and files.weights is not None and consts:
+                validated(files.weights, consts)
         else:
             validate_onnx(files.model)
     try:

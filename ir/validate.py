@@ -54,8 +54,11 @@ class _Layer:
         return f"layer {self.id} '{self.name}' ({self.type})"
 
 
-def validate_ir(xml_path: Path, bin_path: Path | None = None) -> None:
-    """Raise InvalidModelError unless `xml_path` (and its `.bin`) is a well-formed, safe IR."""
+def validate_ir(xml_path: Path, bin_path: Path | None = None) -> list[tuple[int, int]]:
+    """Raise InvalidModelError unless `xml_path` (and its `.bin`) is a well-formed, safe IR.
+
+    Returns where the numeric Consts' bytes are in the `.bin` (offset, size), for whoever
+    wants to start reading them before OpenVINO has read the model."""
     xml_path = Path(xml_path)
     bin_path = Path(bin_path) if bin_path is not None else xml_path.with_suffix(".bin")
     file = str(xml_path)
@@ -65,13 +68,17 @@ def validate_ir(xml_path: Path, bin_path: Path | None = None) -> None:
                                 expected="<net>", found=f"<{root.tag}>")
     consts = _check_graph(root, file, path="")
     if not consts:
-        return
+        return []
     if not bin_path.is_file():
         raise InvalidModelError("bin-missing", file, f"weights file {bin_path.name} does not exist",
                                 expected=f"{bin_path.name} beside the .xml", found="nothing")
     bin_size = bin_path.stat().st_size
+    placed = []
     for layer, data in consts:
-        _check_const(layer, data, bin_size, file, bin_path.name)
+        offset, size = _check_const(layer, data, bin_size, file, bin_path.name)
+        if size and data.get("element_type") in ELEMENT_BITS:  # strings are not read in place
+            placed.append((offset, size))
+    return placed
 
 
 def _parse_xml(xml_path: Path) -> Element:
@@ -192,7 +199,7 @@ def _check_data(layer: _Layer, data: Element, file: str) -> None:
                                         found=repr(shape))
 
 
-def _check_const(layer: _Layer, data: Element, bin_size: int, file: str, bin_name: str) -> None:
+def _check_const(layer: _Layer, data: Element, bin_size: int, file: str, bin_name: str) -> tuple[int, int]:
     etype = data.get("element_type", "")
     raw_shape, raw_offset, raw_size = data.get("shape", ""), data.get("offset"), data.get("size")
     if raw_offset is None or raw_size is None or not _INT.match(raw_offset) or not _INT.match(raw_size):
@@ -227,6 +234,7 @@ def _check_const(layer: _Layer, data: Element, bin_size: int, file: str, bin_nam
         raise InvalidModelError(code, file, reason, layer=layer.label(),
                                 expected=f"offset + size ≤ {bin_size} bytes (size of {bin_name})",
                                 found=f"offset {offset} + size {size}")
+    return offset, size
 
 
 def _check_edges(net: Element, layers: dict[str, _Layer], file: str, path: str) -> None:

@@ -248,3 +248,100 @@ def test_the_same_weights_file_loaded_twice_is_stored_once(tmp_path):
     source = (fixtures.path("llama") / "openvino_model.bin").stat().st_size
     assert (tmp_path / "weights.bin").stat().st_size < 1.05 * source
     assert _const_layers((tmp_path / "a.xml").read_text()) == _const_layers((tmp_path / "b.xml").read_text())
+
+
+def _primed_from_file(out, bundle_hook=None):
+    """Save the static models of the llama fixture as `kvc compile` does: the weights start
+    copying from the file as soon as it is validated, before OpenVINO reads it."""
+    with Bundle(out) as bundle:
+        model = ir.load(fixtures.path("llama"), validated=bundle.start_weights_file)
+        if bundle_hook is not None:
+            bundle_hook(bundle)
+        build_static(model, SMALL, use_env=False, bundle=bundle)
+        bundle.commit()
+        return bundle.weights
+
+
+def _same_files(a, b):
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, kernel_copies):
+    weights = _primed_from_file(tmp_path / "primed")
+    assert weights.primed and weights.restarts == 0
+    assert kernel_copies["copied"] > 0 and kernel_copies["written"] < kernel_copies["copied"] / 10
+    save_bundle(_static().models, tmp_path / "plain")
+    _same_files(tmp_path / "plain", tmp_path / "primed")
+
+
+def test_a_file_that_gives_less_than_primed_is_written_again_from_memory(tmp_path, monkeypatch):
+    """Primed from the file alone, a short read (the file cut or replaced meanwhile) has no
+    bytes in memory to fall back on: the weights file starts over, from the loaded model."""
+    monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
+    weights = _primed_from_file(tmp_path / "primed")
+    monkeypatch.undo()
+    assert weights.restarts == 1
+    save_bundle(_static().models, tmp_path / "plain")
+    _same_files(tmp_path / "plain", tmp_path / "primed")
+
+
+def test_a_weights_file_replaced_between_validation_and_reading_is_not_mixed(tmp_path):
+    """The file read by OpenVINO is not the one primed from (a new inode): start over."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures.path("llama"), src)
+    with Bundle(tmp_path / "out") as bundle:
+        def replace_then_prime(bin_path, consts):
+            bundle.start_weights_file(bin_path, consts)
+            shutil.copyfile(bin_path, src / "new.bin")
+            (src / "new.bin").replace(bin_path)
+
+        model = ir.load(src, validated=replace_then_prime)
+        static = build_static(model, SMALL, use_env=False, bundle=bundle)
+        want = _texts(static.models)
+        bundle.commit()
+        assert bundle.weights.restarts == 1
+    for name in want:
+        got = ir.load(tmp_path / "out" / f"{name}.xml", weights=tmp_path / "out" / "weights.bin")
+        assert ir.to_text(got) == want[name], name
+
+
+def test_without_direct_io_the_weights_are_the_same(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (tmpfs, some network filesystems), writes are buffered."""
+    primed = _primed_from_file(tmp_path / "direct")
+    monkeypatch.setattr(bundle_mod, "_set_direct", lambda fd, on: False)
+    buffered = _primed_from_file(tmp_path / "buffered")
+    assert buffered.stream.direct is False
+    assert primed.restarts == buffered.restarts == 0
+    _same_files(tmp_path / "direct", tmp_path / "buffered")
+
+
+def test_direct_io_refused_at_the_first_write_falls_back_to_buffered(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    monkeypatch.setattr(bundle_mod, "_CHUNK", 1 << 20)
+    fd = os.open(tmp_path / "w.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    stream = bundle_mod._Stream(fd)
+    stream.direct = True
+    real, refused = os.pwrite, []
+
+    def pwrite(f, data, offset):
+        if not refused:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(f, data, offset)
+
+    monkeypatch.setattr(bundle_mod.os, "pwrite", pwrite)
+    payload = np.arange(3 * bundle_mod._CHUNK // 8 + 5, dtype=np.int64).view(np.uint8)
+    stream.write(bundle_mod._Segment(64, payload.size, None, [(0, payload)]))
+    stream.close(64 + payload.size)
+    stream.release()
+    os.close(fd)
+    assert refused == [0] and stream.direct is False
+    data = (tmp_path / "w.bin").read_bytes()
+    assert data[:64] == bytes(64) and data[64:] == payload.tobytes()
