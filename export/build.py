@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from kvc.ir import collector
 from kvc.ir.bundle import Bundle
 from kvc.ir.kv_discovery import kv_layout
 from kvc.ir.naming import canonicalize_friendly_names
@@ -92,9 +93,15 @@ def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
                  bundle: Bundle | None = None) -> StaticModels:
     """Run the common passes once, then one branch per static model. `model` is consumed.
 
-    With a `bundle`, the weights of `model` start being copied into it before any pass runs,
-    and each static model is added to it as soon as it is built (saving overlaps the passes;
-    `bundle.commit()` finishes)."""
+    With a `bundle`, the weights of `model` start being copied into it before any pass runs
+    (unless `kvc.ir.load` already started them), and each static model is added to it as soon
+    as it is built (saving overlaps the passes; `bundle.commit()` finishes)."""
+    with collector.paused():
+        return _build_static(model, options, instrumentation, use_env, bundle)
+
+
+def _build_static(model: ov.Model, options: StaticOptions, instrumentation: Instrumentation | None,
+                  use_env: bool, bundle: Bundle | None) -> StaticModels:
     plan = options.plan()
     common = options.common_pipeline()
     if bundle is not None:  # the passes keep the source's weights: start copying them now

@@ -14,6 +14,7 @@ from pathlib import Path
 import openvino as ov
 
 from kvc.errors import InvalidModelError, openvino_reason
+from kvc.ir import collector
 from kvc.ir.validate import check_inside, validate_ir, validate_onnx
 
 # File names optimum-intel and openvino.genai use for the language model of a directory.
@@ -93,6 +94,11 @@ def load(path: str | Path, *, weights: str | Path | None = None, validate: bool 
             raise InvalidModelError("unknown-format", str(files.model), "a weights file applies to an IR (.xml) only")
         files = ModelFiles("ir", files.model, check_inside(Path(weights), files.root, str(files.model),
                                                            "weights file"), files.root)
+    with collector.paused():
+        return _load(files, validate, validated)
+
+
+def _load(files: ModelFiles, validate: bool, validated) -> ov.Model:
     if validate:
         if files.kind == "ir":
             consts = validate_ir(files.model, files.weights)

@@ -16,6 +16,7 @@ friendly name, tensor names) and why; the PassManager adds the passes that ran b
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +29,25 @@ from kvc.errors import PassError
 class PassResult:
     model: ov.Model
     changed: bool
+
+
+def reinfer(nodes: list[ov.Node]) -> None:
+    """Infer again the element types and shapes of `nodes` (those a pass rewired), and of every
+    node downstream whose inputs changed in consequence: what `validate_nodes_and_infer_types`
+    does after a local edit, without a walk over the whole graph (7 ms per 2000-node model,
+    once per pass and static model)."""
+    work = deque(nodes)
+    while work:
+        node = work.popleft()
+        before = _signature(node)
+        node.validate_and_infer_types()
+        if _signature(node) != before:
+            for out in node.outputs():
+                work.extend(target.get_node() for target in out.get_target_inputs())
+
+
+def _signature(node: ov.Node) -> list[tuple[str, str]]:
+    return [(out.get_element_type().get_type_name(), str(out.get_partial_shape())) for out in node.outputs()]
 
 
 def option(default: Any, *, help: str, choices: tuple | None = None) -> Any:

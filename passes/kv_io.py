@@ -22,7 +22,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from kvc.ir.kv_discovery import KVTensor, kv_layout
-from kvc.passes.base import Pass, PassResult, option
+from kvc.passes.base import Pass, PassResult, option, reinfer
 from kvc.passes.fuse_kvcache import take_over
 from kvc.passes.lift_state import set_name
 from kvc.passes.registry import register_pass
@@ -75,33 +75,33 @@ class KVIO(Pass):
 
     def run(self, model: ov.Model) -> PassResult:
         caches = _caches(model, self.fail)
-        changed = False
+        touched: list[ov.Node] = []  # rewired: their types and shapes are inferred again
         for c in caches:
             past_len = c.param.get_output_partial_shape(0)[c.tensor.seq_axis].get_length()
             if past_len == 0:
-                self._remove_empty_past(model, c)
-                changed = True
+                touched += self._remove_empty_past(model, c)
             elif self.new_rows_only:
                 self._present_new_rows(c)
-                changed = True
+                touched.append(c.result)
         for c in caches:
             if self.kv_type != c.result.get_output_element_type(0).get_type_name() or (
                     self.transpose_v and c.tensor.kind == "value"):
-                changed |= self._retype(model, c)
-        if self.slice_logits and self._slice_logits(model):
-            changed = True
-        if changed:
-            model.validate_nodes_and_infer_types()
-        return PassResult(model, changed)
+                touched += self._retype(model, c)
+        if self.slice_logits:
+            touched += self._slice_logits(model)
+        reinfer(touched)
+        return PassResult(model, bool(touched))
 
     # -- empty past ----------------------------------------------------------------------
-    def _remove_empty_past(self, model: ov.Model, c: _Cache) -> None:
+    def _remove_empty_past(self, model: ov.Model, c: _Cache) -> list[ov.Node]:
         out = c.param.output(0)
         new_rows = c.update.input_value(1)
+        rewired = [t.get_node() for t in c.update.output(0).get_target_inputs()]
         for target in list(out.get_target_inputs()):
             user = target.get_node()
             if user.get_type_name() == "ShapeOf":
                 shape = np.array(c.param.get_output_shape(0), dtype=user.get_output_element_type(0).to_dtype())
+                rewired += [t.get_node() for t in user.output(0).get_target_inputs()]
                 take_over(user.output(0), ops.constant(shape).output(0))
             elif user == c.update or (user.get_type_name() == "Gather" and
                                       all(t.get_node() == c.update for t in user.output(0).get_target_inputs())):
@@ -112,6 +112,7 @@ class KVIO(Pass):
         take_over(c.update.output(0), new_rows)
         model.remove_parameter(c.param)
         c.param = None  # type: ignore[assignment]
+        return rewired
 
     # -- present = new rows ----------------------------------------------------------------
     def _present_new_rows(self, c: _Cache) -> None:
@@ -122,7 +123,7 @@ class KVIO(Pass):
         _reroute(c.result, new_rows)
 
     # -- element type and value layout -------------------------------------------------------
-    def _retype(self, model: ov.Model, c: _Cache) -> bool:
+    def _retype(self, model: ov.Model, c: _Cache) -> list[ov.Node]:
         etype = ov.Type.f16 if self.kv_type == "f16" else ov.Type.f32
         transpose = self.transpose_v and c.tensor.kind == "value"
         t = c.tensor
@@ -140,27 +141,30 @@ class KVIO(Pass):
                 value = ops.transpose(value, ops.constant(np.array(inverse, np.int64))).output(0)
             if etype != old.get_element_type():
                 value = ops.convert(value, old.get_element_type()).output(0)
+            rewired = [t.get_node() for t in old.get_target_inputs()]
             for target in list(old.get_target_inputs()):
                 target.replace_source_output(value)
             model.replace_parameter(model.get_parameter_index(c.param), param)
             c.param = param
+        else:
+            rewired = []
         value = c.result.input_value(0)
         if transpose:
             value = ops.transpose(value, ops.constant(np.array(perm, np.int64))).output(0)
         if etype != value.get_element_type():
             value = ops.convert(value, etype).output(0)
         _reroute(c.result, value)
-        return True
+        return [*rewired, c.result]
 
     # -- logits ------------------------------------------------------------------------------
-    def _slice_logits(self, model: ov.Model) -> bool:
+    def _slice_logits(self, model: ov.Model) -> list[ov.Node]:
         for i, result in enumerate(model.get_results()):
             if "logits" not in model.output(i).get_names():
                 continue
             shape = result.get_output_partial_shape(0)
             rows = shape[1].get_length()
             if rows == 1:
-                return False
+                return []
             # Exact bounds, not [-1, INT64_MAX): OpenVINO CPU's weightless blobs (CACHE_MODE
             # OPTIMIZE_SIZE) read that sentinel back wrong and slice nothing.
             last = ops.slice(result.input_value(0), ops.constant(np.array([rows - 1], np.int64)),
@@ -168,7 +172,7 @@ class KVIO(Pass):
                              ops.constant(np.array([1], np.int64)), ops.constant(np.array([1], np.int64)))
             last.set_friendly_name("logits/last_position")
             _reroute(result, last.output(0))
-            return True
+            return [result]
         raise self.fail("slice_logits: the model has no output named logits")
 
 

@@ -345,3 +345,25 @@ def test_direct_io_refused_at_the_first_write_falls_back_to_buffered(tmp_path, m
     assert refused == [0] and stream.direct is False
     data = (tmp_path / "w.bin").read_bytes()
     assert data[:64] == bytes(64) and data[64:] == payload.tobytes()
+
+
+def test_the_garbage_collector_is_left_as_it_was(tmp_path):
+    """Loading and building pause Python's collector for speed; the caller's setting survives,
+    also when they fail."""
+    import gc
+
+    from kvc.errors import InvalidModelError
+
+    assert gc.isenabled()
+    _static()
+    assert gc.isenabled()
+    (tmp_path / "broken.xml").write_text("<net><layers>")
+    with pytest.raises(InvalidModelError, match="not well-formed"):
+        ir.load(tmp_path / "broken.xml")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        _static()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
