@@ -143,14 +143,17 @@ def _bodies(node: ov.Node) -> list[ov.Model]:
     return []
 
 
-def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings,
-               ops: list[ov.Node] | None = None) -> list[tuple[ov.Node, _Key, bool]]:
+def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings, ops: list[ov.Node] | None = None,
+               seen: dict[tuple[int, int], _Key] | None = None) -> list[tuple[ov.Node, _Key, bool]]:
     """`model`'s Constants, those of If/Loop bodies included, with their identities and whether
     they are at the top level; new ones are added to `distinct`.
 
     A constant is identified by the file bytes it maps (so the same weights mapped twice are
-    stored once), else by the memory it views."""
+    stored once), else by the memory it views. `seen` remembers the identity of each buffer
+    (address, size) across calls: the models of a bundle share most of their buffers, and
+    `distinct` keeps every one of them alive, so an address cannot be reused meanwhile."""
     out = []
+    seen = {} if seen is None else seen
 
     def visit(graph: ov.Model, top: bool) -> None:
         for node in ops if top and ops is not None else graph.get_ordered_ops():
@@ -161,11 +164,14 @@ def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings,
                         visit(body, False)
                 continue
             data, size = node.get_data(), node.get_byte_size()
-            address = data.__array_interface__["data"][0]
-            origin = mappings.origin(address, size) if size else None
-            key = ("file", origin.device, origin.inode, origin.offset, size) if origin else ("memory", address, size)
-            if key not in distinct:
-                distinct[key] = (_as_bytes(data), origin)
+            buffer = (data.ctypes.data, size)
+            key = seen.get(buffer)
+            if key is None:
+                origin = mappings.origin(*buffer) if size else None
+                key = ("file", origin.device, origin.inode, origin.offset, size) if origin else ("memory", *buffer)
+                if key not in distinct:
+                    distinct[key] = (_as_bytes(data), origin)
+                seen[buffer] = key
             out.append((node, key, top))
 
     visit(model, True)
@@ -540,6 +546,7 @@ class Bundle:
         self.directory = Path(directory)
         self.weights = WeightsWriter(self.directory, weights_name)
         self._distinct: _Distinct = {}
+        self._seen: dict[tuple[int, int], _Key] = {}  # buffer (address, size) -> its key in _distinct
         self._models: dict[str, tuple[list[tuple[ov.Node, _Key, bool]], str]] = {}
         try:
             self._scratch = _scratch()
@@ -575,7 +582,7 @@ class Bundle:
             raise ValueError(f"{name}: added twice")
         ops = model.get_ordered_ops()
         canonicalize_friendly_names(model, ops)
-        consts = _constants(model, self._distinct, _Mappings(), ops)
+        consts = _constants(model, self._distinct, _Mappings(), ops, self._seen)
         xml = Path(self._scratch.name) / f"{name}.xml"
         self._models[name] = (consts, _graph_text(model, [(node, top) for node, _, top in consts], xml))
 

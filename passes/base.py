@@ -46,6 +46,23 @@ def reinfer(nodes: list[ov.Node]) -> None:
                 work.extend(target.get_node() for target in out.get_target_inputs())
 
 
+def name_new(out: ov.Node, base: str, keep: set[ov.Node]) -> None:
+    """Name the nodes a rewrite built to compute `out` (everything above it short of `keep`,
+    the nodes it consumes) `base/Type`, `base/Type.2`, ...: readable, stable across runs, and
+    nothing left for `canonicalize_friendly_names` to hash."""
+    stack, seen, counts = [out], set(keep), {}
+    while stack:
+        for value in stack.pop().input_values():
+            src = value.get_node()
+            if src in seen:
+                continue
+            seen.add(src)
+            kind = src.get_type_name()
+            counts[kind] = counts.get(kind, 0) + 1
+            src.set_friendly_name(f"{base}/{kind}" + (f".{counts[kind]}" if counts[kind] > 1 else ""))
+            stack.append(src)
+
+
 def _signature(node: ov.Node) -> list[tuple[str, str]]:
     return [(out.get_element_type().get_type_name(), str(out.get_partial_shape())) for out in node.outputs()]
 
