@@ -230,6 +230,8 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
 
 
 _CHUNK = 64 << 20  # each staging buffer: large enough for the disk, small next to the weights
+_BUFFERS = 2  # one being written while the other fills (more, or more writers: no faster here)
+_WRITERS = 1
 _BLOCK = 4096  # O_DIRECT offsets and lengths are multiples of this (or of a divisor of it)
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -270,25 +272,26 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 
 class _Stream:
-    """The weights file, written front to back through two page-aligned staging buffers.
+    """The weights file, written front to back through page-aligned staging buffers.
 
     Each full buffer goes to disk with O_DIRECT where the filesystem allows it: the disk reads
     it straight from the buffer, so a weights file costs one copy (file to buffer, by the
     kernel: `preadv`) instead of two plus page-cache bookkeeping. That is a quarter of the CPU
     time of a `copy_file_range` through the page cache, and the CPU is what the passes running
     beside it need. Elsewhere the writes are buffered, each handed to the disk at once with
-    `sync_file_range`. One buffer is written (on a thread of its own) while the other fills,
-    so the disk is never idle. Segments must come in file order."""
+    `sync_file_range`. A full buffer is written (on a thread of its own) while the next one
+    fills, so the disk is never idle. Segments must come in file order."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.direct = _set_direct(fd, True)
-        self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(2)]
+        self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(_BUFFERS)]
+        self.current = 0  # the buffer being filled, `view`
         self.view = self.buffers[0]
         self.base = self.fill = 0  # `view` holds the file's bytes [base, base + fill)
         self.short = False  # a segment lacked bytes: its file gave less and nothing was in memory
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="kvc-disk")
-        self._pending: Future | None = None  # the other buffer, on its way to disk
+        self._disk = ThreadPoolExecutor(_WRITERS, thread_name_prefix="kvc-disk")
+        self._pending: dict[int, Future] = {}  # buffer -> its write in flight
 
     def reset(self) -> None:
         self.settle()
@@ -296,10 +299,16 @@ class _Stream:
         self.short = False
 
     def settle(self) -> None:
-        """Wait for the write in flight; re-raise its error."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Wait for the writes in flight; re-raise the first error."""
+        pending, self._pending = self._pending, {}
+        errors = []
+        for future in pending.values():
+            try:
+                future.result()
+            except BaseException as exc:  # wait for every write before raising
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def release(self) -> None:
         """Stop the disk thread (after the write in flight, if any)."""
@@ -377,10 +386,14 @@ class _Stream:
             self._write(_CHUNK)
 
     def _write(self, length: int) -> None:
-        """Send `view[:length]` to disk in the background and go on in the other buffer."""
-        self.settle()
-        self._pending = self._disk.submit(self._to_disk, self.view, length, self.base)
-        self.view = self.buffers[1] if self.view is self.buffers[0] else self.buffers[0]
+        """Send `view[:length]` to disk in the background and go on in the next buffer (once
+        its own write, if any, is done)."""
+        self._pending[self.current] = self._disk.submit(self._to_disk, self.view, length, self.base)
+        self.current = (self.current + 1) % len(self.buffers)
+        previous = self._pending.pop(self.current, None)
+        if previous is not None:
+            previous.result()
+        self.view = self.buffers[self.current]
         self.base += length
         self.fill = 0
 
