@@ -55,7 +55,7 @@ def child_work(model: Path, out: Path) -> dict:
     load_all()  # the pass modules are imported on first use: import time, not work
     t0 = time.perf_counter()
     with Bundle(out) as bundle:  # as `kvc compile` does: saving overlaps the passes
-        static = build_static(ir.load(model, validated=bundle.start_weights_file),
+        static = build_static(ir.load(model, consts_found=bundle.start_weights_file),
                               StaticOptions(1024, 128, variants=VARIANTS), use_env=False, bundle=bundle)
         t1 = time.perf_counter()
         bundle.commit()

@@ -110,7 +110,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         instr = dataclasses.replace(instr, dump_dir=work / "dumps")
     progress("running passes: " + options.static.common_pipeline() + " then one branch per static model")
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
-        static = build_static(load(model_path, validated=bundle.start_weights_file), options.static, instr,
+        static = build_static(load(model_path, consts_found=bundle.start_weights_file), options.static, instr,
                               bundle=bundle)
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()

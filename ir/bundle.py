@@ -230,6 +230,7 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
 
 
 _CHUNK = 64 << 20  # each staging buffer: large enough for the disk, small next to the weights
+_FIRST_CHUNK = 8 << 20
 _BUFFERS = 2  # one being written while the other fills (more, or more writers: no faster here)
 _WRITERS = 1
 _BLOCK = 4096  # O_DIRECT offsets and lengths are multiples of this (or of a divisor of it)
@@ -289,6 +290,7 @@ class _Stream:
         self.current = 0  # the buffer being filled, `view`
         self.view = self.buffers[0]
         self.base = self.fill = 0  # `view` holds the file's bytes [base, base + fill)
+        self.limit = min(_FIRST_CHUNK, _CHUNK)  # when `view` goes to disk: early at first, so the disk starts soon
         self.short = False  # a segment lacked bytes: its file gave less and nothing was in memory
         self._disk = ThreadPoolExecutor(_WRITERS, thread_name_prefix="kvc-disk")
         self._pending: dict[int, Future] = {}  # buffer -> its write in flight
@@ -296,6 +298,7 @@ class _Stream:
     def reset(self) -> None:
         self.settle()
         self.base = self.fill = 0
+        self.limit = min(_FIRST_CHUNK, _CHUNK)
         self.short = False
 
     def settle(self) -> None:
@@ -350,7 +353,7 @@ class _Stream:
     def _put_memory(self, data: memoryview) -> None:
         done = 0
         while done < len(data):
-            n = min(len(data) - done, _CHUNK - self.fill)
+            n = min(len(data) - done, self.limit - self.fill)
             self.view[self.fill:self.fill + n] = data[done:done + n]
             done += n
             self._advance(n)
@@ -368,7 +371,7 @@ class _Stream:
                 return
             done = 0
             while done < size:
-                n = min(size - done, _CHUNK - self.fill)
+                n = min(size - done, self.limit - self.fill)
                 try:
                     got = os.preadv(src, [self.view[self.fill:self.fill + n]], source.offset + done)
                 except OSError:
@@ -382,8 +385,9 @@ class _Stream:
 
     def _advance(self, n: int) -> None:
         self.fill += n
-        if self.fill == _CHUNK:
-            self._write(_CHUNK)
+        if self.fill == self.limit:
+            self._write(self.limit)
+            self.limit = _CHUNK
 
     def _write(self, length: int) -> None:
         """Send `view[:length]` to disk in the background and go on in the next buffer (once
@@ -436,6 +440,7 @@ class WeightsWriter:
         self.primed: list[_Segment] = []
         self.restarts = 0  # layouts that `finish` found different from the primed one
         self._file_only = False  # primed by `start_file`: no bytes in memory to fall back on
+        self._file_source: tuple | None = None  # (device, inode, constants) it was primed with
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -473,18 +478,24 @@ class WeightsWriter:
         """Begin copying the runs of the constants at (offset, size) in the weights file
         `path`, before OpenVINO has even read the model that maps them: as `start` would for
         that model, with nothing in memory to fall back on if the file changes meanwhile
-        (`finish` then starts over)."""
-        if self._thread is not None:
-            return
+        (`finish` then starts over). Called again with other constants (what validation
+        found, after a first guess), it starts over with those."""
         try:
             stat = os.stat(path)
         except OSError:
             return
+        source = (stat.st_dev, stat.st_ino, sorted(set(consts)))
+        if self._thread is not None:
+            if not self._file_only or source == self._file_source:
+                return  # started from the model itself, or from these very constants
+            self._stop()
+            self.stream.reset()
+            os.ftruncate(self.fd, 0)
         where = os.path.realpath(path)
         distinct: _Distinct = {("file", stat.st_dev, stat.st_ino, offset, size):
-                               (None, _Origin(where, stat.st_dev, stat.st_ino, offset)) for offset, size in consts}
+                               (None, _Origin(where, stat.st_dev, stat.st_ino, offset)) for offset, size in source[2]}
         self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
-        self._file_only = True
+        self._file_only, self._file_source = True, source
         self._submit(self.primed)
 
     def finish(self, segments: list[_Segment], size: int) -> None:
@@ -497,7 +508,7 @@ class WeightsWriter:
             self._stop()
             self.stream.reset()
             os.ftruncate(self.fd, 0)
-            self.primed, self._file_only = [], False
+            self.primed, self._file_only, self._file_source = [], False, None
             self.restarts += 1
         self._submit([*segments[len(self.primed):], size])
 
@@ -551,7 +562,7 @@ class Bundle:
     Models are added as they are built: each is serialized at once with its Constants as
     numbered placeholders, and restored. `commit` lays out the weights file, points the
     placeholders at it and renames everything into place. `start_weights_file` (from
-    `kvc.ir.load(..., validated=)`) or `start_weights(model)` begins copying the weights of
+    `kvc.ir.load(..., consts_found=)`) or `start_weights(model)` begins copying the weights of
     the model the others are built from (see WeightsWriter). Use as a context manager:
     leaving it without `commit` leaves nothing behind."""
 
@@ -580,8 +591,8 @@ class Bundle:
         self.weights.start(model)
 
     def start_weights_file(self, path: Path, consts: list[tuple[int, int]]) -> None:
-        """`kvc.ir.load(..., validated=bundle.start_weights_file)` starts copying the model's
-        weights before OpenVINO reads it (see WeightsWriter.start_file)."""
+        """`kvc.ir.load(..., consts_found=bundle.start_weights_file)` starts copying the
+        model's weights before OpenVINO reads it (see WeightsWriter.start_file)."""
         self.weights.start_file(path, consts)
 
     def add(self, name: str, model: ov.Model) -> None:

@@ -80,13 +80,14 @@ def _resolve_dir(d: Path) -> ModelFiles:
 
 
 def load(path: str | Path, *, weights: str | Path | None = None, validate: bool = True,
-         validated: Callable[[Path, list[tuple[int, int]]], None] | None = None) -> ov.Model:
+         consts_found: Callable[[Path, list[tuple[int, int]]], None] | None = None) -> ov.Model:
     """Read a model after validating its files; the model's friendly name is kept as exported.
 
     `weights` names the IR's weights file when it is not `<stem>.bin` beside the `.xml` (the
     shared `weights.bin` of a compiled directory); it must stay inside the model's directory.
-    `validated(bin, consts)` is called between validating an IR and reading it, with where
-    its Consts are in its weights file (a `Bundle` starts copying them then).
+    `consts_found(bin, consts)` is told where an IR's Consts are in its weights file (a
+    `Bundle` starts copying them then): first with a guess from the raw XML, then with what
+    validation found (the one to trust), before OpenVINO reads the model.
     """
     files = resolve(path)
     if weights is not None:
@@ -95,15 +96,18 @@ def load(path: str | Path, *, weights: str | Path | None = None, validate: bool 
         files = ModelFiles("ir", files.model, check_inside(Path(weights), files.root, str(files.model),
                                                            "weights file"), files.root)
     with collector.paused():
-        return _load(files, validate, validated)
+        return _load(files, validate, consts_found)
 
 
-def _load(files: ModelFiles, validate: bool, validated) -> ov.Model:
+def _load(files: ModelFiles, validate: bool, consts_found) -> ov.Model:
     if validate:
         if files.kind == "ir":
-            consts = validate_ir(files.model, files.weights)
-            if validated is not None and files.weights is not None and consts:
-                validated(files.weights, consts)
+            tell = None
+            if consts_found is not None and files.weights is not None and files.weights.exists():
+                tell = functools.partial(consts_found, files.weights)
+            consts = validate_ir(files.model, files.weights, early=tell)
+            if tell is not None and consts:
+                tell(consts)
         else:
             validate_onnx(files.model)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
@@ -54,15 +55,19 @@ class _Layer:
         return f"layer {self.id} '{self.name}' ({self.type})"
 
 
-def validate_ir(xml_path: Path, bin_path: Path | None = None) -> list[tuple[int, int]]:
+def validate_ir(xml_path: Path, bin_path: Path | None = None,
+                early: Callable[[list[tuple[int, int]]], None] | None = None) -> list[tuple[int, int]]:
     """Raise InvalidModelError unless `xml_path` (and its `.bin`) is a well-formed, safe IR.
 
     Returns where the numeric Consts' bytes are in the `.bin` (offset, size), for whoever
-    wants to start reading them before OpenVINO has read the model."""
+    wants to start reading them before OpenVINO has read the model. `early` gets a first
+    guess of that list before the XML is parsed (from OpenVINO's own layout of a Const
+    layer, read off the bytes; empty for any other spelling): unchecked, good enough to
+    start copying the weights 0.1 s sooner."""
     xml_path = Path(xml_path)
     bin_path = Path(bin_path) if bin_path is not None else xml_path.with_suffix(".bin")
     file = str(xml_path)
-    root = _parse_xml(xml_path)
+    root = _parse_xml(xml_path, early)
     if root.tag != "net":
         raise InvalidModelError("not-ir", file, "root element is not <net>",
                                 expected="<net>", found=f"<{root.tag}>")
@@ -81,18 +86,20 @@ def validate_ir(xml_path: Path, bin_path: Path | None = None) -> list[tuple[int,
     return placed
 
 
-def _parse_xml(xml_path: Path) -> Element:
+def _parse_xml(xml_path: Path, early: Callable[[list[tuple[int, int]]], None] | None = None) -> Element:
     file = str(xml_path)
     try:
         raw = xml_path.read_bytes()
     except FileNotFoundError:
         raise InvalidModelError("missing-file", file, "file does not exist") from None
+    if early is not None and (guess := guess_consts(raw)):
+        early(guess)
     if not raw.strip():
         raise InvalidModelError("empty-file", file, "file is empty",
                                 expected="an IR <net> document", found=f"{len(raw)} bytes")
     try:
         if _no_dtd(raw):  # nothing to defuse: the C parser, 1.5x faster than defusedxml's
-            return ElementTree.fromstring(raw)
+            return _parse_in_slices(raw)
         return SafeET.fromstring(raw, forbid_dtd=True, forbid_entities=True,
                                  forbid_external=True)
     except DefusedXmlException as exc:
@@ -102,6 +109,27 @@ def _parse_xml(xml_path: Path) -> Element:
                                 found=str(exc)) from None
     except SafeET.ParseError as exc:
         raise InvalidModelError("not-xml", file, f"not well-formed XML: {exc}") from None
+
+
+# A Const layer as OpenVINO's serializer writes it (optimum-intel's exports among them).
+_CONST_LAYER = re.compile(rb'type="Const" version="opset1">\s*<data element_type="([a-z0-9]+)" shape="[^"]*" '
+                          rb'offset="(\d+)" size="(\d+)"')
+
+
+def guess_consts(raw: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of the numeric Consts written as OpenVINO writes them, unvalidated."""
+    return [(int(m.group(2)), int(m.group(3))) for m in _CONST_LAYER.finditer(raw)
+            if m.group(1).decode() in ELEMENT_BITS and m.group(3) != b"0"]
+
+
+def _parse_in_slices(raw: bytes, step: int = 1 << 16) -> Element:
+    """`ElementTree.fromstring`, fed 64 KB at a time: the parser holds the GIL while it runs,
+    and a large IR takes it 50 ms, during which the thread copying the weights (started from
+    `early`) could not even begin."""
+    parser = ElementTree.XMLParser()
+    for start in range(0, len(raw), step):
+        parser.feed(raw[start:start + step])
+    return parser.close()
 
 
 _DECLARED_ENCODING = re.compile(rb'^\s*<\?xml[^>]*encoding\s*=\s*["\']([A-Za-z0-9._-]+)["\']')

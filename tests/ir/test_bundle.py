@@ -250,13 +250,13 @@ def test_the_same_weights_file_loaded_twice_is_stored_once(tmp_path):
     assert _const_layers((tmp_path / "a.xml").read_text()) == _const_layers((tmp_path / "b.xml").read_text())
 
 
-def _primed_from_file(out, bundle_hook=None):
+def _primed_from_file(out, before=None):
     """Save the static models of the llama fixture as `kvc compile` does: the weights start
-    copying from the file as soon as it is validated, before OpenVINO reads it."""
+    copying from the file as soon as it is read, before OpenVINO reads it."""
     with Bundle(out) as bundle:
-        model = ir.load(fixtures.path("llama"), validated=bundle.start_weights_file)
-        if bundle_hook is not None:
-            bundle_hook(bundle)
+        if before is not None:
+            before(bundle)
+        model = ir.load(fixtures.path("llama"), consts_found=bundle.start_weights_file)
         build_static(model, SMALL, use_env=False, bundle=bundle)
         bundle.commit()
         return bundle.weights
@@ -295,16 +295,20 @@ def test_a_weights_file_replaced_between_validation_and_reading_is_not_mixed(tmp
     src = tmp_path / "src"
     shutil.copytree(fixtures.path("llama"), src)
     with Bundle(tmp_path / "out") as bundle:
-        def replace_then_prime(bin_path, consts):
-            bundle.start_weights_file(bin_path, consts)
-            shutil.copyfile(bin_path, src / "new.bin")
-            (src / "new.bin").replace(bin_path)
+        calls = []
 
-        model = ir.load(src, validated=replace_then_prime)
+        def replace_then_prime(bin_path, consts):  # called with a guess, then once validated
+            bundle.start_weights_file(bin_path, consts)
+            calls.append(consts)
+            if len(calls) == 2:
+                shutil.copyfile(bin_path, src / "new.bin")
+                (src / "new.bin").replace(bin_path)
+
+        model = ir.load(src, consts_found=replace_then_prime)
         static = build_static(model, SMALL, use_env=False, bundle=bundle)
         want = _texts(static.models)
         bundle.commit()
-        assert bundle.weights.restarts == 1
+        assert bundle.weights.restarts == 1 and len(calls) == 2
     for name in want:
         got = ir.load(tmp_path / "out" / f"{name}.xml", weights=tmp_path / "out" / "weights.bin")
         assert ir.to_text(got) == want[name], name
@@ -367,3 +371,22 @@ def test_the_garbage_collector_is_left_as_it_was(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_first_guess_of_the_weights_is_what_validation_finds():
+    """`kvc.ir.load` starts the copy from the raw XML, before validating it: on every
+    fixture that guess is the validated list, so the copy never starts over."""
+    from kvc.ir.validate import guess_consts, validate_ir
+
+    for name in ("llama", "gpt2", "gpt_bigcode", "bloom", "mistral", "phi", "qwen2"):
+        xml = fixtures.path(name) / "openvino_model.xml"
+        assert sorted(guess_consts(xml.read_bytes())) == sorted(validate_ir(xml)), name
+
+
+def test_a_wrong_guess_is_replaced_by_the_validated_constants(tmp_path):
+    bin_path = fixtures.path("llama") / "openvino_model.bin"
+    weights = _primed_from_file(tmp_path / "primed", before=lambda bundle: bundle.start_weights_file(
+        bin_path, [(0, 1 << 16), (1 << 16, 1 << 16)]))
+    assert weights.restarts == 0
+    save_bundle(_static().models, tmp_path / "plain")
+    _same_files(tmp_path / "plain", tmp_path / "primed")
