@@ -7,8 +7,9 @@ peak RSS is its own, peers measured in the same run (the machine is shared: read
   work     kvc's own work: load, all passes, save of prefill + 4 generate variants
            (P=1024, R=128; variants 384, 640, 896, 1152), no device compile;
            versus NPUW_LLM's whole compile of the same model (bench/probe_npuw.py compile);
-           runs alternate, and time_ratio is the median of each kvc run over the NPUW run
-           after it (ratio_of_medians is also given).
+           runs alternate after a warm-up pair that is not counted (--warmup), and
+           time_ratio is the median of each kvc run over the NPUW run after it
+           (ratio_of_medians is also given).
   e2e      `kvc compile` end to end for CPU and for NPU (NPUW's CPU backend), verification off.
   decode   ms/token at a 512-token prompt: StaticPipeline on OpenVINO CPU (the smallest
            variant that fits, 640) versus NPUW_LLM on CPU and the stateful model on CPU,
@@ -131,15 +132,18 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def bench_work(reps: int, precisions: tuple[str, ...] = ("fp16", "fp32")) -> dict:
+def bench_work(reps: int, precisions: tuple[str, ...] = ("fp16", "fp32"), warmup: int = 1) -> dict:
     report = {}
     for precision in precisions:
         model = MODELS / f"llama-250m-{precision}"
         kvc_runs, npuw_runs = [], []
-        for _ in range(reps):  # alternate, so both see the same machine
+        for rep in range(warmup + reps):  # alternate, so both see the same machine
             with tempfile.TemporaryDirectory(dir=BENCH / ".results") as tmp:
-                kvc_runs.append(run_child("work", str(model), str(Path(tmp) / "out")))
-            npuw_runs.append(run_probe("compile", "--model", str(model)))
+                kvc = run_child("work", str(model), str(Path(tmp) / "out"))
+            npuw = run_probe("compile", "--model", str(model))
+            if rep >= warmup:  # the first pair after a pause runs slow on this machine, kvc's more
+                kvc_runs.append(kvc)
+                npuw_runs.append(npuw)
         kvc_s, npuw_s = median_of(kvc_runs, "seconds"), statistics.median(r["compile_s"] for r in npuw_runs)
         npuw_rss = statistics.median(r["after_compile"]["vmhwm_mb"] for r in npuw_runs)
         weights = weight_bytes(model)
@@ -212,11 +216,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--weights", choices=["fp16", "fp32"], action="append",
                     help="work: only these weights (default: both)")
+    ap.add_argument("--warmup", type=int, default=1, help="work: pairs run first and not counted")
     args = ap.parse_args()
     (BENCH / ".results").mkdir(exist_ok=True)
     report = {}
     if args.what in ("work", "all"):
-        report["work"] = bench_work(args.reps, tuple(args.weights or ("fp16", "fp32")))
+        report["work"] = bench_work(args.reps, tuple(args.weights or ("fp16", "fp32")), args.warmup)
     if args.what in ("e2e", "all"):
         report["e2e"] = bench_e2e(args.reps)
     if args.what in ("decode", "all"):
