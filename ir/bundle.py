@@ -415,7 +415,7 @@ class _Stream:
 
 
 class WeightsWriter:
-    """The weights file of a bundle, written and fsynced on a second thread.
+    """The weights file of a bundle, written and fsynced on background threads.
 
     Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline, and it
     needs little Python: a few reads and writes per 64 MB (`_Stream`), each releasing the

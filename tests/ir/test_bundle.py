@@ -1,4 +1,4 @@
-"""Bundles: several models, one weights file; copied by the kernel, written atomically."""
+"""Bundles: several models, one weights file; read from the source file, written atomically."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _const_layers(xml_text):
 
 
 @pytest.fixture
-def kernel_copies(monkeypatch):
+def file_reads(monkeypatch):
     """Count the bytes read from the weights' own file and those copied from this process's memory."""
     counts = {"copied": 0, "written": 0}
     put_file, put_memory = bundle_mod._Stream._put_file, bundle_mod._Stream._put_memory
@@ -91,7 +91,7 @@ def test_same_models_same_bytes(tmp_path):
         assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
 
 
-def test_mapped_weights_are_copied_by_the_kernel_during_the_passes(tmp_path, kernel_copies):
+def test_mapped_weights_are_read_from_their_file_during_the_passes(tmp_path, file_reads):
     """Opened before the model is loaded (as `kvc compile` does), the bundle still finds the
     mapped weights file, starts copying during the passes, and keeps that layout."""
     with Bundle(tmp_path) as bundle:
@@ -99,8 +99,8 @@ def test_mapped_weights_are_copied_by_the_kernel_during_the_passes(tmp_path, ker
         bundle.commit()
         assert bundle.weights.primed and bundle.weights.restarts == 0
     big = sum(s for o, s in _const_layers((tmp_path / "prefill.xml").read_text()) if s >= 1 << 16)
-    assert kernel_copies["copied"] >= big > 0
-    assert kernel_copies["written"] < kernel_copies["copied"] / 10
+    assert file_reads["copied"] >= big > 0
+    assert file_reads["written"] < file_reads["copied"] / 10
 
 
 def test_a_layout_the_passes_broke_is_rewritten_whole(tmp_path):
@@ -138,7 +138,7 @@ def test_failure_leaves_nothing_and_the_models_intact(tmp_path, monkeypatch):
         assert ir.to_text(model) == before[name], name
 
 
-def test_a_replaced_source_file_is_not_copied_from(tmp_path, kernel_copies):
+def test_a_replaced_source_file_is_not_copied_from(tmp_path, file_reads):
     """The weights are copied from the mapped file only while it is still that file: when a
     new file has replaced it since loading, the mapped (old) bytes are written instead."""
     import shutil
@@ -150,7 +150,7 @@ def test_a_replaced_source_file_is_not_copied_from(tmp_path, kernel_copies):
     (src / "new.bin").replace(src / "openvino_model.bin")
     want = _texts({"m": model})["m"]
     save_bundle({"m": model}, tmp_path / "out")
-    assert kernel_copies["copied"] == 0
+    assert file_reads["copied"] == 0
     assert ir.to_text(ir.load(tmp_path / "out" / "m.xml", weights=tmp_path / "out" / "weights.bin")) == want
 
 
@@ -269,10 +269,10 @@ def _same_files(a, b):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, kernel_copies):
+def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, file_reads):
     weights = _primed_from_file(tmp_path / "primed")
     assert weights.primed and weights.restarts == 0
-    assert kernel_copies["copied"] > 0 and kernel_copies["written"] < kernel_copies["copied"] / 10
+    assert file_reads["copied"] > 0 and file_reads["written"] < file_reads["copied"] / 10
     save_bundle(_static().models, tmp_path / "plain")
     _same_files(tmp_path / "plain", tmp_path / "primed")
 
