@@ -9,9 +9,9 @@ distinct constant once into `weights.bin` and points every model's Const layers 
    buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
    file are laid out back to back again, each still at a multiple of 64 bytes, and read
    from that file as one run into a staging buffer that goes to disk with O_DIRECT (the
-   model's mapped pages are not touched, and the page cache is skipped). The copies and the
-   fsync run on background threads (`WeightsWriter`: a few calls that release the GIL),
-   started as soon as the input is validated, before OpenVINO even reads it;
+   model's mapped pages are not touched, and the page cache is skipped). The copy runs in a
+   helper process (`WeightsWriter`, `weights_stream.py`), started as soon as the input's
+   XML is read, before OpenVINO even reads the model;
 2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -24,23 +24,25 @@ byte-identical files. Read a model back with `kvc.ir.load(xml, weights=dir/weigh
 from __future__ import annotations
 
 import bisect
-import errno
 import html
+import json
 import logging
-import mmap
 import os
 import queue
 import re
+import subprocess
+import sys
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import openvino as ov
 
+from kvc.ir.weights_stream import Origin as _Origin
+from kvc.ir.weights_stream import Segment as _Segment
+from kvc.ir.weights_stream import Stream as _Stream
 from kvc.ir.writer import fsync_dir, temp_file
 
 log = logging.getLogger(__name__)
@@ -59,15 +61,6 @@ def _as_bytes(data: np.ndarray) -> np.ndarray:
 
 def _aligned(offset: int) -> int:
     return offset + (-offset % _ALIGN)
-
-
-class _Origin(NamedTuple):
-    """Where a constant's bytes live on disk: the mapped file (path, device, inode) and offset."""
-
-    path: str
-    device: int
-    inode: int
-    offset: int
 
 
 class _Mappings:
@@ -107,24 +100,6 @@ class _Mappings:
         if address + size > end:
             return None
         return region._replace(offset=region.offset + address - start)
-
-
-@dataclass
-class _Segment:
-    """A stretch of the weights file: constants back to back, from one source.
-
-    `source` is where to read the whole stretch from (its file); the `pieces` (offset
-    within the segment, bytes) are what is written when there is no source or the copy fails."""
-
-    offset: int
-    size: int
-    source: _Origin | None
-    pieces: list[tuple[int, np.ndarray]]
-
-    def place(self) -> tuple:
-        """Where the segment goes and what it holds (the source file by device and inode:
-        its path may be spelled differently by /proc/self/maps)."""
-        return self.offset, self.size, self.source[1:] if self.source is not None else None
 
 
 _Key = tuple  # ("file", device, inode, offset, size) or ("memory", address, size)
@@ -229,203 +204,70 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
     return offsets, segments, end
 
 
-_CHUNK = 64 << 20  # each staging buffer: large enough for the disk, small next to the weights
-_FIRST_CHUNK = 8 << 20
-_BUFFERS = 2  # one being written while the other fills (more, or more writers: no faster here)
-_WRITERS = 1
-_BLOCK = 4096  # O_DIRECT offsets and lengths are multiples of this (or of a divisor of it)
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _libc_sync_file_range():
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-        return fn
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_sync_file_range = _libc_sync_file_range()
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for `fd`; False where the OS or filesystem refuses (tmpfs)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if not direct:
-        return False
-    try:
-        import fcntl
-
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | direct) if on else (flags & ~direct))
-        return on
-    except OSError:
-        return False
-
-
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-class _Stream:
-    """The weights file, written front to back through page-aligned staging buffers.
+class _Helper:
+    """The copy of a weights file's runs, in a process of its own (`weights_stream.py`): a
+    thread here would wait for the GIL between every read and write while the passes hold
+    it, which halved the copy's speed."""
 
-    Each full buffer goes to disk with O_DIRECT where the filesystem allows it: the disk reads
-    it straight from the buffer, so a weights file costs one copy (file to buffer, by the
-    kernel: `preadv`) instead of two plus page-cache bookkeeping. That is a quarter of the CPU
-    time of a `copy_file_range` through the page cache, and the CPU is what the passes running
-    beside it need. Elsewhere the writes are buffered, each handed to the disk at once with
-    `sync_file_range`. A full buffer is written (on a thread of its own) while the next one
-    fills, so the disk is never idle. Segments must come in file order."""
+    SCRIPT = Path(__file__).with_name("weights_stream.py")
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.direct = _set_direct(fd, True)
-        self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(_BUFFERS)]
-        self.current = 0  # the buffer being filled, `view`
-        self.view = self.buffers[0]
-        self.base = self.fill = 0  # `view` holds the file's bytes [base, base + fill)
-        self.limit = min(_FIRST_CHUNK, _CHUNK)  # when `view` goes to disk: early at first, so the disk starts soon
-        self.short = False  # a segment lacked bytes: its file gave less and nothing was in memory
-        self._disk = ThreadPoolExecutor(_WRITERS, thread_name_prefix="kvc-disk")
-        self._pending: dict[int, Future] = {}  # buffer -> its write in flight
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
 
-    def reset(self) -> None:
-        self.settle()
-        self.base = self.fill = 0
-        self.limit = min(_FIRST_CHUNK, _CHUNK)
-        self.short = False
-
-    def settle(self) -> None:
-        """Wait for the writes in flight; re-raise the first error."""
-        pending, self._pending = self._pending, {}
-        errors = []
-        for future in pending.values():
-            try:
-                future.result()
-            except BaseException as exc:  # wait for every write before raising
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def release(self) -> None:
-        """Stop the disk thread (after the write in flight, if any)."""
-        self._disk.shutdown(wait=True)
-
-    def write(self, seg: _Segment) -> None:
-        self._pad_to(seg.offset)
-        if seg.source is not None:
-            self._put_file(seg.source, seg.size)
-        if self.base + self.fill >= seg.offset + seg.size:
-            return
-        for within, data in seg.pieces:  # what the file did not give (all, without a source)
-            if data is None:  # known by its place in the file alone: nothing to fall back on
-                self.short = True
-                return
-            start, view = seg.offset + within, memoryview(data).cast("B")
-            done = max(0, self.base + self.fill - start)
-            if done < len(view):
-                self._pad_to(start + done)
-                self._put_memory(view[done:])
-
-    def close(self, size: int) -> None:
-        """Write what is buffered, cut the file to `size` bytes and make it durable."""
-        self.settle()
-        if self.fill:
-            length = self.fill + (-self.fill % _BLOCK) if self.direct else self.fill
-            self.view[self.fill:length] = bytes(length - self.fill)
-            self._write(length)
-            self.settle()
-        os.ftruncate(self.fd, size)
-        os.fsync(self.fd)
-
-    def _pad_to(self, offset: int) -> None:
-        gap = offset - (self.base + self.fill)
-        if gap < 0:
-            raise AssertionError(f"weights: segment at {offset} comes after byte {self.base + self.fill}")
-        self._put_memory(memoryview(bytes(gap)))
-
-    def _put_memory(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            n = min(len(data) - done, self.limit - self.fill)
-            self.view[self.fill:self.fill + n] = data[done:done + n]
-            done += n
-            self._advance(n)
-
-    def _put_file(self, source: _Origin, size: int) -> None:
-        """Read as much of `size` bytes of `source` as it still holds: all of it, or none if the
-        file was replaced since it was mapped, or a part if it was cut short."""
+    @classmethod
+    def start(cls, path: Path, segments: list[_Segment]) -> _Helper | None:
+        """Start copying `segments` into `path`; None if no process can be started."""
+        job = {"path": str(path), "segments": [[seg.source.path, seg.source.device, seg.source.inode,
+                                                seg.source.offset, seg.size, seg.offset] for seg in segments]}
         try:
-            src = os.open(source.path, os.O_RDONLY)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", str(cls.SCRIPT)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as exc:
+            log.debug("weights: no helper process (%s); copying on a thread", exc)
+            return None
+        try:
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
         except OSError:
-            return
+            pass  # it died: `wait` says so
+        proc.stdin = None
+        return cls(proc)
+
+    def wait(self) -> dict | None:
+        """Its report (`weights_stream.copy`), or None if it failed."""
+        out, err = self.proc.communicate()
+        if self.proc.returncode != 0:
+            log.debug("weights: helper process failed (%s): %s", self.proc.returncode, err.decode(errors="replace"))
+            return None
         try:
-            stat = os.fstat(src)
-            if (stat.st_dev, stat.st_ino) != (source.device, source.inode):
-                return
-            done = 0
-            while done < size:
-                n = min(size - done, self.limit - self.fill)
-                try:
-                    got = os.preadv(src, [self.view[self.fill:self.fill + n]], source.offset + done)
-                except OSError:
-                    return
-                if got <= 0:
-                    return
-                done += got
-                self._advance(got)
-        finally:
-            os.close(src)
+            return json.loads(out)
+        except ValueError:
+            return None
 
-    def _advance(self, n: int) -> None:
-        self.fill += n
-        if self.fill == self.limit:
-            self._write(self.limit)
-            self.limit = _CHUNK
-
-    def _write(self, length: int) -> None:
-        """Send `view[:length]` to disk in the background and go on in the next buffer (once
-        its own write, if any, is done)."""
-        self._pending[self.current] = self._disk.submit(self._to_disk, self.view, length, self.base)
-        self.current = (self.current + 1) % len(self.buffers)
-        previous = self._pending.pop(self.current, None)
-        if previous is not None:
-            previous.result()
-        self.view = self.buffers[self.current]
-        self.base += length
-        self.fill = 0
-
-    def _to_disk(self, view: memoryview, length: int, offset: int) -> None:
-        done = 0
-        while done < length:
-            try:
-                done += os.pwrite(self.fd, view[done:length], offset + done)
-            except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
-                    raise
-                self.direct = _set_direct(self.fd, False)  # accepted at open, refused on write
-        if not self.direct and _sync_file_range is not None:
-            _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
 
 
 class WeightsWriter:
-    """The weights file of a bundle, written and fsynced on background threads.
+    """The weights file of a bundle, written and fsynced beside the passes.
 
-    Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline, and it
-    needs little Python: a few reads and writes per 64 MB (`_Stream`), each releasing the
-    GIL. `start_file(weights, consts)` (with what validation found in the input's weights
-    file) or `start(model)` (with the model the bundle's models are built from, as loaded)
-    lays out the runs of those constants and starts copying them while the passes run.
-    `finish` then checks that layout against the final models' (from `Bundle.commit`): if it
-    holds, it appends the rest; if a pass dropped a constant from a run, or the file changed
-    meanwhile, it starts over. The file's bytes are the same either way. Use as a context
-    manager: leaving it without `commit` removes the temporary file."""
+    Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline.
+    `start_file(weights, consts)` (with where the input's Consts are in its weights file) or
+    `start(model)` (with the model the bundle's models are built from, as loaded) lays out
+    the runs of those constants and starts copying them while the passes run, in a helper
+    process (`_Helper`; on a thread of this one if none can start). `finish` then checks that
+    layout against the final models' (from `Bundle.commit`): if it holds, it appends the rest
+    on a thread; if a pass dropped a constant from a run, or the file changed meanwhile, it
+    starts over. The file's bytes are the same either way. Use as a context manager: leaving
+    it without `commit` removes the temporary file."""
 
     def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:
         self.directory, self.name = Path(directory), name
@@ -439,8 +281,11 @@ class WeightsWriter:
             raise
         self.primed: list[_Segment] = []
         self.restarts = 0  # layouts that `finish` found different from the primed one
+        self.helped = 0  # bytes the helper process copied (0: it did not)
+        self._started = False
         self._file_only = False  # primed by `start_file`: no bytes in memory to fall back on
         self._file_source: tuple | None = None  # (device, inode, constants) it was primed with
+        self._helper: _Helper | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -453,6 +298,9 @@ class WeightsWriter:
         if exc_type is not None:
             self._cancelled = True  # skip what is queued: the file is being thrown away
         try:
+            if self._helper is not None:
+                self._helper.kill()
+                self._helper = None
             self._stop()
         except BaseException:
             if exc_type is None:  # else the error already on its way matters more
@@ -467,12 +315,11 @@ class WeightsWriter:
     def start(self, model: ov.Model) -> None:
         """Begin copying the runs of `model`'s memory-mapped constants (unless `start_file`
         already began)."""
-        if self._thread is not None:
+        if self._started:
             return
         distinct: _Distinct = {}
         _constants(model, distinct, _Mappings())
-        self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
-        self._submit(self.primed)
+        self._prime([seg for seg in _layout(distinct)[1] if seg.source is not None])
 
     def start_file(self, path: Path, consts: list[tuple[int, int]]) -> None:
         """Begin copying the runs of the constants at (offset, size) in the weights file
@@ -485,30 +332,49 @@ class WeightsWriter:
         except OSError:
             return
         source = (stat.st_dev, stat.st_ino, sorted(set(consts)))
-        if self._thread is not None:
+        if self._started:
             if not self._file_only or source == self._file_source:
                 return  # started from the model itself, or from these very constants
-            self._stop()
-            self.stream.reset()
-            os.ftruncate(self.fd, 0)
+            self._start_over()
         where = os.path.realpath(path)
         distinct: _Distinct = {("file", stat.st_dev, stat.st_ino, offset, size):
                                (None, _Origin(where, stat.st_dev, stat.st_ino, offset)) for offset, size in source[2]}
-        self.primed = [seg for seg in _layout(distinct)[1] if seg.source is not None]
-        self._file_only, self._file_source = True, source
-        self._submit(self.primed)
+        self._prime([seg for seg in _layout(distinct)[1] if seg.source is not None], source)
+
+    def _prime(self, primed: list[_Segment], file_source: tuple | None = None) -> None:
+        self.primed, self._started = primed, True
+        self._file_only, self._file_source = file_source is not None, file_source
+        if primed:
+            self._helper = _Helper.start(self.tmp, primed)
+            if self._helper is None:
+                self._submit(primed)
+
+    def _start_over(self) -> None:
+        """Forget what was copied: the file is empty again."""
+        if self._helper is not None:
+            self._helper.kill()
+            self._helper = None
+        self._stop()
+        self.stream.reset()
+        os.ftruncate(self.fd, 0)
+        self.primed, self._file_only, self._file_source, self.helped = [], False, None, 0
 
     def finish(self, segments: list[_Segment], size: int) -> None:
         """Queue the final layout (all of it) and the fsync; returns at once."""
         placed = [seg.place() for seg in segments[:len(self.primed)]]
-        if self._file_only:
+        whole = True  # did the copy get every byte it was asked for?
+        if self._helper is not None:
+            report, self._helper = self._helper.wait(), None
+            whole = report is not None and not report["short"]
+            if whole:
+                self.helped = report["end"]
+                self.stream.resume_at(report["end"])
+        elif self._file_only:
             self._stop()  # primed from the file alone: did the file give all of it?
-        if placed != [seg.place() for seg in self.primed] or self.stream.short:
+            whole = not self.stream.short
+        if placed != [seg.place() for seg in self.primed] or not whole:
             log.debug("weights: the final layout differs from the one copied during the passes; rewriting")
-            self._stop()
-            self.stream.reset()
-            os.ftruncate(self.fd, 0)
-            self.primed, self._file_only, self._file_source = [], False, None
+            self._start_over()
             self.restarts += 1
         self._submit([*segments[len(self.primed):], size])
 

@@ -12,6 +12,7 @@ import kvc.ir as ir
 from kvc import fixtures
 from kvc.export.build import StaticOptions, build_static
 from kvc.ir import bundle as bundle_mod
+from kvc.ir import weights_stream
 from kvc.ir.bundle import Bundle, save_bundle
 
 SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
@@ -98,9 +99,10 @@ def test_mapped_weights_are_read_from_their_file_during_the_passes(tmp_path, fil
         _static(bundle)
         bundle.commit()
         assert bundle.weights.primed and bundle.weights.restarts == 0
+        helped = bundle.weights.helped  # read from the file by the helper process
     big = sum(s for o, s in _const_layers((tmp_path / "prefill.xml").read_text()) if s >= 1 << 16)
-    assert file_reads["copied"] >= big > 0
-    assert file_reads["written"] < file_reads["copied"] / 10
+    assert helped >= big > 0
+    assert file_reads["written"] < helped / 10
 
 
 def test_a_layout_the_passes_broke_is_rewritten_whole(tmp_path):
@@ -272,20 +274,66 @@ def _same_files(a, b):
 def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, file_reads):
     weights = _primed_from_file(tmp_path / "primed")
     assert weights.primed and weights.restarts == 0
-    assert file_reads["copied"] > 0 and file_reads["written"] < file_reads["copied"] / 10
+    assert weights.helped > 0 and file_reads["written"] < weights.helped / 10
     save_bundle(_static().models, tmp_path / "plain")
     _same_files(tmp_path / "plain", tmp_path / "primed")
 
 
-def test_a_file_that_gives_less_than_primed_is_written_again_from_memory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copier", ["helper", "thread"])
+def test_a_file_that_gives_less_than_primed_is_written_again_from_memory(tmp_path, monkeypatch, copier):
     """Primed from the file alone, a short read (the file cut or replaced meanwhile) has no
     bytes in memory to fall back on: the weights file starts over, from the loaded model."""
-    monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
+    if copier == "helper":  # a helper process that found the file short
+        _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true, "direct": false}\')')
+    else:
+        monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
+        monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
     weights = _primed_from_file(tmp_path / "primed")
     monkeypatch.undo()
-    assert weights.restarts == 1
+    assert weights.restarts == 1 and weights.helped == 0
     save_bundle(_static().models, tmp_path / "plain")
     _same_files(tmp_path / "plain", tmp_path / "primed")
+
+
+def _fake_helper(tmp_path, monkeypatch, code):
+    script = tmp_path / "fake_helper.py"
+    script.write_text("import sys\nsys.stdin.read()\n" + code + "\n")
+    monkeypatch.setattr(bundle_mod._Helper, "SCRIPT", script)
+
+
+def test_a_helper_process_that_fails_leaves_the_copy_to_this_one(tmp_path, monkeypatch):
+    _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
+    weights = _primed_from_file(tmp_path / "primed")
+    monkeypatch.undo()
+    assert weights.restarts == 1 and weights.helped == 0
+    save_bundle(_static().models, tmp_path / "plain")
+    _same_files(tmp_path / "plain", tmp_path / "primed")
+
+
+def test_without_a_helper_process_the_weights_are_copied_on_a_thread(tmp_path, monkeypatch, file_reads):
+    monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
+    weights = _primed_from_file(tmp_path / "thread")
+    assert weights.restarts == 0 and weights.helped == 0 and file_reads["copied"] > 0
+    monkeypatch.undo()
+    _primed_from_file(tmp_path / "helper")
+    _same_files(tmp_path / "thread", tmp_path / "helper")
+
+
+def test_the_copy_reports_a_source_shorter_than_asked(tmp_path):
+    """`weights_stream.copy`, what the helper process runs: bytes copied as asked, and a
+    source that ends early is reported, not papered over."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 1000)
+    st = src.stat()
+    dst = tmp_path / "dst.bin"
+    dst.write_bytes(b"")
+    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino, 100, 5000, 64]]})
+    assert report["end"] == 5064 and not report["short"]
+    assert dst.read_bytes()[64:5064] == src.read_bytes()[100:5100] and dst.read_bytes()[:64] == bytes(64)
+    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino, 255000, 5000, 0]]})
+    assert report["short"]  # the file ends 5000 bytes early
+    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino + 1, 0, 100, 0]]})
+    assert report["short"]  # not the file that was mapped (another inode): nothing read from it
 
 
 def test_a_weights_file_replaced_between_validation_and_reading_is_not_mixed(tmp_path):
@@ -317,7 +365,7 @@ def test_a_weights_file_replaced_between_validation_and_reading_is_not_mixed(tmp
 def test_without_direct_io_the_weights_are_the_same(tmp_path, monkeypatch):
     """Where O_DIRECT is refused (tmpfs, some network filesystems), writes are buffered."""
     primed = _primed_from_file(tmp_path / "direct")
-    monkeypatch.setattr(bundle_mod, "_set_direct", lambda fd, on: False)
+    monkeypatch.setattr(weights_stream, "set_direct", lambda fd, on: False)
     buffered = _primed_from_file(tmp_path / "buffered")
     assert buffered.stream.direct is False
     assert primed.restarts == buffered.restarts == 0
@@ -328,7 +376,7 @@ def test_direct_io_refused_at_the_first_write_falls_back_to_buffered(tmp_path, m
     import errno
     import os
 
-    monkeypatch.setattr(bundle_mod, "_CHUNK", 1 << 20)
+    monkeypatch.setattr(weights_stream, "_CHUNK", 1 << 20)
     fd = os.open(tmp_path / "w.bin", os.O_RDWR | os.O_CREAT, 0o644)
     stream = bundle_mod._Stream(fd)
     stream.direct = True
@@ -341,7 +389,7 @@ def test_direct_io_refused_at_the_first_write_falls_back_to_buffered(tmp_path, m
         return real(f, data, offset)
 
     monkeypatch.setattr(bundle_mod.os, "pwrite", pwrite)
-    payload = np.arange(3 * bundle_mod._CHUNK // 8 + 5, dtype=np.int64).view(np.uint8)
+    payload = np.arange(3 * weights_stream._CHUNK // 8 + 5, dtype=np.int64).view(np.uint8)
     stream.write(bundle_mod._Segment(64, payload.size, None, [(0, payload)]))
     stream.close(64 + payload.size)
     stream.release()
