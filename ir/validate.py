@@ -71,7 +71,7 @@ def validate_ir(xml_path: Path, bin_path: Path | None = None,
     if root.tag != "net":
         raise InvalidModelError("not-ir", file, "root element is not <net>",
                                 expected="<net>", found=f"<{root.tag}>")
-    consts = _check_graph(root, file, path="")
+    consts = _check_graph(root, file, path="", dims=not _dims_valid(root))
     if not consts:
         return []
     if not bin_path.is_file():
@@ -147,8 +147,21 @@ def _no_dtd(raw: bytes) -> bool:
     return b"<!DOCTYPE" not in raw and b"<!ENTITY" not in raw
 
 
-def _check_graph(net: Element, file: str, path: str) -> list[tuple[_Layer, Element]]:
-    """Check one (possibly nested) graph; return its Const layers with their <data>."""
+def _dims_valid(root: Element) -> bool:
+    """Every <dim> in the document is valid: one pass over them, each distinct text matched
+    once (a 16-layer LLM has 15 000 <dim>s and a few dozen distinct ones)."""
+    seen: set[str | None] = set()
+    for dim in root.iter("dim"):
+        if dim.text not in seen:
+            if not _DIM.match((dim.text or "").strip()):
+                return False
+            seen.add(dim.text)
+    return True
+
+
+def _check_graph(net: Element, file: str, path: str, dims: bool = True) -> list[tuple[_Layer, Element]]:
+    """Check one (possibly nested) graph; return its Const layers with their <data>. `dims`:
+    check every port's dimensions here (False when `_dims_valid` found them all valid)."""
     layers_el = net.find("layers")
     if layers_el is None:
         raise InvalidModelError("not-ir", file, f"{path or '<net>'} has no <layers>",
@@ -164,7 +177,8 @@ def _check_graph(net: Element, file: str, path: str) -> list[tuple[_Layer, Eleme
                 layer=layer.label(), expected="unique layer ids",
                 found=f"'{other.name}' ({other.type}) and '{layer.name}' ({layer.type})")
         layers[layer.id] = layer
-        _check_ports(el, layer, file)
+        if dims:  # layer by layer, to say which one is wrong
+            _check_ports(el, layer, file)
         data = el.find("data")
         if data is not None:
             _check_data(layer, data, file)
@@ -172,9 +186,9 @@ def _check_graph(net: Element, file: str, path: str) -> list[tuple[_Layer, Eleme
             consts.append((layer, data))
         body = el.find("body")
         if body is not None:
-            consts += _check_graph(body, file, path=f"{path}{layer.label()} body: ")
+            consts += _check_graph(body, file, path=f"{path}{layer.label()} body: ", dims=dims)
         for nested in el.findall("then_body") + el.findall("else_body"):
-            consts += _check_graph(nested, file, path=f"{path}{layer.label()} {nested.tag}: ")
+            consts += _check_graph(nested, file, path=f"{path}{layer.label()} {nested.tag}: ", dims=dims)
     _check_edges(net, layers, file, path)
     return consts
 
