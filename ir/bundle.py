@@ -65,9 +65,10 @@ def _aligned(offset: int) -> int:
 
 class _Mappings:
     """Which file (and where in it) an address of this process maps, from /proc/self/maps
-    (parsed again only when the process's mappings changed since the last time)."""
+    (each line parsed once: most are the same from one call to the next)."""
 
     _last: tuple[str, list[int], list[tuple[int, int, _Origin]]] = ("", [], [])
+    _lines: dict[str, tuple[int, int, _Origin] | None] = {}
 
     def __init__(self) -> None:
         try:
@@ -81,16 +82,22 @@ class _Mappings:
 
     @staticmethod
     def _parse(text: str) -> tuple[list[int], list[tuple[int, int, _Origin]]]:
-        regions: list[tuple[int, int, _Origin]] = []
+        known, lines = _Mappings._lines, {}
         for line in text.splitlines():
-            parts = line.split(maxsplit=5)
-            path = parts[5].strip() if len(parts) == 6 else ""
-            if path.startswith("/") and not path.endswith(" (deleted)"):
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                major, minor = (int(x, 16) for x in parts[3].split(":"))
-                regions.append((start, end, _Origin(path, os.makedev(major, minor), int(parts[4]), int(parts[2], 16))))
-        regions.sort(key=lambda r: r[0])
+            lines[line] = known[line] if line in known else _Mappings._region(line)
+        _Mappings._lines = lines
+        regions = sorted((r for r in lines.values() if r is not None), key=lambda r: r[0])
         return [r[0] for r in regions], regions
+
+    @staticmethod
+    def _region(line: str) -> tuple[int, int, _Origin] | None:
+        parts = line.split(maxsplit=5)
+        path = parts[5].strip() if len(parts) == 6 else ""
+        if not path.startswith("/") or path.endswith(" (deleted)"):
+            return None
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        major, minor = (int(x, 16) for x in parts[3].split(":"))
+        return start, end, _Origin(path, os.makedev(major, minor), int(parts[4]), int(parts[2], 16))
 
     def origin(self, address: int, size: int) -> _Origin | None:
         i = bisect.bisect_right(self.starts, address) - 1  # mappings do not overlap
@@ -485,7 +492,7 @@ class Bundle:
         fds: list[int] = []
         try:
             for name, (consts, text) in self._models.items():
-                graph = _point_at_weights(text, [(node, offsets[key]) for node, key, _ in consts], name)
+                graph = _point_at_weights(text, [(node, offsets[key], key[-1]) for node, key, _ in consts], name)
                 fd, xml_tmps[name] = temp_file(self.directory, f".{name}.xml.")
                 fds.append(fd)
                 _pwrite_all(fd, graph.encode("utf-8"), 0)
@@ -615,15 +622,20 @@ _LAYER = re.compile(r'<layer id="(\d+)" name="' + _PLACEHOLDER + r'(\d+)" type="
                     r' offset="\d+" size="\d+") />')
 
 
-def _point_at_weights(text: str, table: list[tuple[ov.Node, int]], name: str) -> str:
+_XML_SPECIAL = re.compile(r'[&<>"\']')
+
+
+def _point_at_weights(text: str, table: list[tuple[ov.Node, int, int]], name: str) -> str:
     """Rewrite the `__kvc_const_<i>` layers of a serialized graph into Const layers at their
-    offsets in the shared weights file, under their own names."""
+    offsets in the shared weights file, under their own names (`table`: node, offset, size)."""
     def to_const(m: re.Match) -> str:
-        const, offset = table[int(m.group(2))]
-        friendly = html.escape(const.get_friendly_name(), quote=True)
+        const, offset, size = table[int(m.group(2))]
+        friendly = const.get_friendly_name()
+        if _XML_SPECIAL.search(friendly):
+            friendly = html.escape(friendly, quote=True)
         shape, etype = (m.group(5), m.group(6)) if m.group(3) == "Parameter" else (m.group(8), m.group(7))
         return (f'<layer id="{m.group(1)}" name="{friendly}" type="Const" version="opset1">{m.group(4)}'
-                f'<data element_type="{etype}" shape="{shape}" offset="{offset}" size="{const.get_byte_size()}" />')
+                f'<data element_type="{etype}" shape="{shape}" offset="{offset}" size="{size}" />')
 
     text, count = _LAYER.subn(to_const, text)
     if count != len(table):
