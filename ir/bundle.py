@@ -229,7 +229,10 @@ class _Helper:
 
     @classmethod
     def start(cls, path: Path, segments: list[_Segment]) -> _Helper | None:
-        """Start copying `segments` into `path`; None if no process can be started."""
+        """Start copying `segments` into `path`; None if no process can be started (or this
+        Python is a frozen application, whose executable is not an interpreter)."""
+        if getattr(sys, "frozen", False) or not sys.executable:
+            return None
         job = {"path": str(path), "segments": [[seg.source.path, seg.source.device, seg.source.inode,
                                                 seg.source.offset, seg.size, seg.offset] for seg in segments]}
         try:
