@@ -279,12 +279,15 @@ def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, file
     _same_files(tmp_path / "plain", tmp_path / "primed")
 
 
-@pytest.mark.parametrize("copier", ["helper", "thread"])
-def test_a_file_that_gives_less_than_primed_is_written_again_from_memory(tmp_path, monkeypatch, copier):
-    """Primed from the file alone, a short read (the file cut or replaced meanwhile) has no
-    bytes in memory to fall back on: the weights file starts over, from the loaded model."""
-    if copier == "helper":  # a helper process that found the file short
+@pytest.mark.parametrize("copier", ["helper found it short", "helper failed", "thread found it short"])
+def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch, copier):
+    """Primed from the file alone, a short read (the file cut or replaced meanwhile) or a
+    helper process that died has no bytes in memory to fall back on: the weights file starts
+    over, from the loaded model."""
+    if copier == "helper found it short":
         _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true, "direct": false}\')')
+    elif copier == "helper failed":
+        _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
     else:
         monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
         monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
@@ -299,15 +302,6 @@ def _fake_helper(tmp_path, monkeypatch, code):
     script = tmp_path / "fake_helper.py"
     script.write_text("import sys\nsys.stdin.read()\n" + code + "\n")
     monkeypatch.setattr(bundle_mod._Helper, "SCRIPT", script)
-
-
-def test_a_helper_process_that_fails_leaves_the_copy_to_this_one(tmp_path, monkeypatch):
-    _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
-    weights = _primed_from_file(tmp_path / "primed")
-    monkeypatch.undo()
-    assert weights.restarts == 1 and weights.helped == 0
-    save_bundle(_static().models, tmp_path / "plain")
-    _same_files(tmp_path / "plain", tmp_path / "primed")
 
 
 def test_without_a_helper_process_the_weights_are_copied_on_a_thread(tmp_path, monkeypatch, file_reads):
