@@ -76,6 +76,7 @@ def child_e2e(model: Path, out: Path, device: str) -> dict:
                                                      verify=False))
     blobs = sum(b["bytes"] for m in manifest["models"].values() for b in m["blobs"].values())
     return {"seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb(), "blob_bytes": blobs,
+            "helper_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
             "weights_bytes": (out / "weights.bin").stat().st_size}
 
 
@@ -175,6 +176,7 @@ def bench_e2e(reps: int) -> dict:
             with tempfile.TemporaryDirectory(dir=BENCH / ".results") as tmp:
                 runs.append(run_child("e2e", str(model), str(Path(tmp) / "out"), device))
         report[device] = {"seconds": round(median_of(runs, "seconds"), 3), "peak_rss_mb": round(median_of(runs, "peak_rss_mb")),
+                          "helper_peak_rss_mb": round(median_of(runs, "helper_peak_rss_mb")),
                           "blob_mb": round(runs[0]["blob_bytes"] / 2**20, 1),
                           "weights_mb": round(runs[0]["weights_bytes"] / 2**20)}
     return report
