@@ -256,9 +256,14 @@ class _Helper:
             log.debug("weights: helper process failed (%s): %s", self.proc.returncode, err.decode(errors="replace"))
             return None
         try:
-            return json.loads(out)
+            report = json.loads(out)
         except ValueError:
+            report = None
+        if not (isinstance(report, dict) and isinstance(report.get("end"), int)
+                and isinstance(report.get("short"), bool)):
+            log.debug("weights: helper process gave no report: %r", out[:200])
             return None
+        return report
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -390,6 +395,8 @@ class WeightsWriter:
 
     def commit(self) -> Path:
         """Wait for the thread; rename the finished file into place."""
+        if self._helper is not None:
+            raise RuntimeError("WeightsWriter.commit before finish: the helper process is still copying")
         self._stop()
         self.stream.release()
         os.close(self.fd)

@@ -279,7 +279,8 @@ def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, file
     _same_files(tmp_path / "plain", tmp_path / "primed")
 
 
-@pytest.mark.parametrize("copier", ["helper found it short", "helper failed", "thread found it short"])
+@pytest.mark.parametrize("copier", ["helper found it short", "helper failed", "helper said nothing useful",
+                                    "thread found it short"])
 def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch, copier):
     """Primed from the file alone, a short read (the file cut or replaced meanwhile) or a
     helper process that died has no bytes in memory to fall back on: the weights file starts
@@ -288,6 +289,8 @@ def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch,
         _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true, "direct": false}\')')
     elif copier == "helper failed":
         _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
+    elif copier == "helper said nothing useful":
+        _fake_helper(tmp_path, monkeypatch, "print('{\"end\": \"far\"}')")
     else:
         monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
         monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
