@@ -43,6 +43,7 @@ import openvino as ov
 from kvc.ir.weights_stream import Origin as _Origin
 from kvc.ir.weights_stream import Segment as _Segment
 from kvc.ir.weights_stream import Stream as _Stream
+from kvc.ir.weights_stream import pwrite_all
 from kvc.ir.writer import fsync_dir, temp_file
 
 log = logging.getLogger(__name__)
@@ -211,16 +212,10 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
     return offsets, segments, end
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view, done = memoryview(data), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 class _Helper:
     """The copy of a weights file's runs, in a process of its own (`weights_stream.py`): a
     thread here would wait for the GIL between every read and write while the passes hold
-    it, which halved the copy's speed."""
+    it (see that module for the numbers)."""
 
     SCRIPT = Path(__file__).with_name("weights_stream.py")
 
@@ -246,7 +241,7 @@ class _Helper:
             proc.stdin.close()
         except OSError:
             pass  # it died: `wait` says so
-        proc.stdin = None
+        proc.stdin = None  # closed here: `communicate` must not flush it again
         return cls(proc)
 
     def wait(self) -> dict | None:
@@ -298,8 +293,8 @@ class WeightsWriter:
         self.restarts = 0  # layouts that `finish` found different from the primed one
         self.helped = 0  # bytes the helper process copied (0: it did not)
         self._started = False
-        self._file_only = False  # primed by `start_file`: no bytes in memory to fall back on
-        self._file_source: tuple | None = None  # (device, inode, constants) it was primed with
+        # (device, inode, constants) when primed by `start_file`: no bytes in memory to fall back on
+        self._file_source: tuple | None = None
         self._helper: _Helper | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -348,7 +343,7 @@ class WeightsWriter:
             return
         source = (stat.st_dev, stat.st_ino, sorted(set(consts)))
         if self._started:
-            if not self._file_only or source == self._file_source:
+            if self._file_source is None or source == self._file_source:
                 return  # started from the model itself, or from these very constants
             self._start_over()
         where = os.path.realpath(path)
@@ -357,8 +352,7 @@ class WeightsWriter:
         self._prime([seg for seg in _layout(distinct)[1] if seg.source is not None], source)
 
     def _prime(self, primed: list[_Segment], file_source: tuple | None = None) -> None:
-        self.primed, self._started = primed, True
-        self._file_only, self._file_source = file_source is not None, file_source
+        self.primed, self._started, self._file_source = primed, True, file_source
         if primed:
             self._helper = _Helper.start(self.tmp, primed)
             if self._helper is None:
@@ -372,7 +366,7 @@ class WeightsWriter:
         self._stop()
         self.stream.reset()
         os.ftruncate(self.fd, 0)
-        self.primed, self._file_only, self._file_source, self.helped = [], False, None, 0
+        self.primed, self._file_source, self.helped = [], None, 0
 
     def finish(self, segments: list[_Segment], size: int) -> None:
         """Queue the final layout (all of it) and the fsync; returns at once."""
@@ -384,7 +378,7 @@ class WeightsWriter:
             if whole:
                 self.helped = report["end"]
                 self.stream.resume_at(report["end"])
-        elif self._file_only:
+        elif self._file_source is not None:
             self._stop()  # primed from the file alone: did the file give all of it?
             whole = not self.stream.short
         if placed != [seg.place() for seg in self.primed] or not whole:
@@ -505,7 +499,7 @@ class Bundle:
                 graph = _point_at_weights(text, [(node, offsets[key], key[-1]) for node, key, _ in consts], name)
                 fd, xml_tmps[name] = temp_file(self.directory, f".{name}.xml.")
                 fds.append(fd)
-                _pwrite_all(fd, graph.encode("utf-8"), 0)
+                pwrite_all(fd, graph.encode("utf-8"), 0)
             # Together: the filesystem commits its journal once for all of them, not once each.
             with ThreadPoolExecutor(max(1, len(fds)), thread_name_prefix="kvc-fsync") as pool:
                 list(pool.map(os.fsync, fds))

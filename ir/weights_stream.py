@@ -85,6 +85,7 @@ def set_direct(fd: int, on: bool) -> bool:
 
 
 def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """os.pwrite until all of `data` is written (it may write less at a time)."""
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -98,7 +99,7 @@ class Stream:
     kernel: `preadv`) instead of two plus page-cache bookkeeping. That is a quarter of the CPU
     time of a `copy_file_range` through the page cache, and the CPU is what the passes running
     beside it need. Elsewhere the writes are buffered, each handed to the disk at once with
-    `sync_file_range`. A full buffer is written (on a thread of its own) while the next one
+    `sync_file_range`. Full buffers are written on threads of their own while the next one
     fills, so the disk is never idle. Segments must come in file order."""
 
     def __init__(self, fd: int) -> None:
@@ -257,7 +258,7 @@ def copy(job: dict) -> dict:
             stream.write(Segment(at, size, Origin(path, device, inode, offset), [(0, None)]))
             end = at + size
         stream.flush()
-        return {"end": end, "short": stream.short, "direct": stream.direct}
+        return {"end": end, "short": stream.short}
     finally:
         stream.release()
         os.close(fd)

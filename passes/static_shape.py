@@ -201,5 +201,4 @@ def preflight(model: ov.Model, pass_name: str = "static-shape") -> None:
                                                  f"(shape {pshape}); a static-shape device cannot run it", node)
 
 
-
 __all__ = ["StaticShape", "LengthPlan", "plan_lengths", "preflight", "describe_node"]

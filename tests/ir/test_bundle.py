@@ -286,7 +286,7 @@ def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch,
     helper process that died has no bytes in memory to fall back on: the weights file starts
     over, from the loaded model."""
     if copier == "helper found it short":
-        _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true, "direct": false}\')')
+        _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true}\')')
     elif copier == "helper failed":
         _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
     elif copier == "helper said nothing useful":
