@@ -31,8 +31,10 @@ def load_tokenizer(directory: Path):
 @click.option("--backend", type=click.Choice(["numpy", "openvino", "npu"]), default="openvino", show_default=True,
               help="numpy: kvc's interpreter; openvino: CPU; npu: the NPU plugin (NPUW on CPU without an NPU).")
 @click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
+@click.option("--check", is_flag=True,
+              help="Check every file's sha256 against the manifest first (sizes are always checked).")
 @json_option
-def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, as_json):
+def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, as_json):
     """Generate greedily from a prompt through the compiled prefill and generate models."""
     from kvc.export.load import open_compiled
 
@@ -40,7 +42,7 @@ def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, as_json):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     tokenizer = load_tokenizer(out) if text is not None else None
     ids = tokenizer.encode(text).ids if tokenizer else parse_ids(prompt_ids)
-    gen = open_compiled(out, backend, from_ir=from_ir).generate(ids, max_new_tokens)
+    gen = open_compiled(out, backend, from_ir=from_ir, sha256=check).generate(ids, max_new_tokens)
     decoded = tokenizer.decode(gen.tokens) if tokenizer else None
     if as_json:
         echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend,

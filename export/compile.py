@@ -23,7 +23,8 @@ from typing import Callable
 from kvc import __version__
 from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
 from kvc.export.build import StaticOptions, build_static
-from kvc.export.manifest import FORMAT, MANIFEST, dumps, openvino_version, port_table, sha256_file
+from kvc.export.manifest import (FORMAT, MANIFEST, dumps, file_entry, openvino_version, port_table,
+                                 source_hashes)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
@@ -62,14 +63,6 @@ class CompileOptions:
     instrumentation: Instrumentation = field(default_factory=Instrumentation)
 
 
-def _source_files(path: Path) -> dict[str, str]:
-    files = resolve(path)
-    out = {files.model.name: sha256_file(files.model)}
-    if files.weights is not None and files.weights.exists():
-        out[files.weights.name] = sha256_file(files.weights)
-    return out
-
-
 def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
                progress: Callable[[str], None] = lambda message: None) -> dict:
     """Compile `model_path` into the directory `out`; return the manifest."""
@@ -104,7 +97,7 @@ def _publish(work: Path, out: Path) -> None:
 
 def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress) -> dict:
     progress(f"loading {model_path}")
-    source_hashes = _source_files(model_path)
+    source = source_hashes(model_path)
     instr = options.instrumentation
     if options.dumps:
         instr = dataclasses.replace(instr, dump_dir=work / "dumps")
@@ -155,7 +148,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "format": FORMAT,
         "kvc_version": __version__,
         "openvino_version": openvino_version(),
-        "source": {"path": str(model_path), "sha256": source_hashes},
+        "source": {"path": str(model_path.absolute()), "sha256": source},
         "options": {**asdict(options.static), "devices": list(options.devices)},
         "lengths": static.plan.to_dict(),
         "kv": [k.to_dict() for k in static.kv],
@@ -163,7 +156,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "models": models,
         "tokenizer": tokenizer,
         "verification": verification,
-        "files": {str(p.relative_to(work)): sha256_file(p) for p in files},
+        "files": {p.relative_to(work).as_posix(): file_entry(p) for p in files},
     }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
-from kvc.export.manifest import check_blob_version, read_manifest
+from kvc.export.manifest import check_blob_version, check_files, read_manifest
 from kvc.ir.reader import core, load
 from kvc.passes.static_shape import LengthPlan
 from kvc.runtime.session import NumpySession, OpenVINOSession, Session
@@ -50,11 +50,15 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
                            device_config(device, for_export=False))
 
 
-def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: bool = False) -> StaticPipeline:
+def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: bool = False,
+                  sha256: bool = False) -> StaticPipeline:
+    """A StaticPipeline over a compiled directory, after checking every file's size against
+    the manifest (and its sha256 when asked: `kvc run --check`, `kvc verify`)."""
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     directory = Path(directory)
     manifest = read_manifest(directory)
+    check_files(directory, manifest, sha256=sha256)
     plan = plan_from(manifest)
     generate = {}
     for name in manifest["models"]:

@@ -25,7 +25,7 @@ def verify_static(source_model, static: StaticModels, tokens: int = 8) -> dict:
     for length in sorted({min(static.plan.prompt, 7), min(static.plan.prompt, 33)}):
         prompt = rng.integers(1, vocab, length)
         n = min(tokens, max_new_tokens(static.plan, length))
-        verdict = judge(greedy(reference, prompt, n), pipeline.generate(prompt, n), f16=f16)
+        verdict = judge(greedy(reference, prompt, n), pipeline.generate(prompt, n), reduced=f16)
         results.append({"backend": "numpy", "prompt_tokens": length, "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on kvc's numpy runtime", "ok": all(r["ok"] for r in results),
             "results": results}
@@ -54,14 +54,16 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from pathlib import Path
 
     from kvc.export.load import open_compiled, plan_from
-    from kvc.export.manifest import read_manifest
+    from kvc.export.manifest import check_files, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import judge
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
 
     directory = Path(directory)
     manifest = read_manifest(directory)
-    source = Path(against or manifest["source"]["path"])
+    check_files(directory, manifest, sha256=True)
+    source = Path(against) if against else recorded_source(manifest, directory)
+    is_recorded_source = against is None or source_hashes(source) == manifest["source"]["sha256"]
     plan = plan_from(manifest)
     ref = reference_session(source, reference_backend)
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
@@ -75,8 +77,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             n = min(new_tokens, max_new_tokens(plan, len(prompt)))
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
-            verdict = judge(references[(i, n)], pipe.generate(prompt, n), f16=f16 or backend == "npu")
+            verdict = judge(references[(i, n)], pipe.generate(prompt, n), reduced=f16 or backend == "npu")
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
-    return {"directory": str(directory), "against": str(source), "reference_backend": reference_backend,
+    return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
+            "reference_backend": reference_backend,
             "ok": all(r["ok"] for r in rows), "results": rows}

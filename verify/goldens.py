@@ -3,7 +3,7 @@
 `record` runs a compiled directory on one backend and writes, per prompt, the greedy tokens
 and each step's top-5 logits; `check` runs it again and fails on any token change or logit
 drift beyond tolerance (1e-4 for f32 KV; f16 KV: 1e-2 absolute, a generous bound for its
-rounding). The file names the kvc and OpenVINO versions that recorded it.
+rounding); a NaN or Inf anywhere in the logits fails, and is never recorded. The file names the kvc and OpenVINO versions that recorded it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from kvc import __version__
-from kvc.errors import InvalidModelError
+from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import open_compiled
 from kvc.export.manifest import openvino_version, read_manifest
 from kvc.ir.writer import write_bytes_atomic
+from kvc.runtime.compare import first_divergence
 from kvc.runtime.static_pipeline import max_new_tokens
 
 TOP = 5
@@ -31,6 +32,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
     for prompt in prompts:
         n = min(new_tokens, max_new_tokens(pipe.plan, len(prompt)))
         gen = pipe.generate(prompt, n)
+        _refuse_nonfinite(gen, f"{directory} on {backend}, prompt of {len(prompt)} tokens")
         steps = []
         for logits in gen.logits:
             top = np.argsort(-logits, kind="stable")[:TOP]
@@ -40,6 +42,16 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
             "backend": backend, "kv_element_type": manifest["kv"][0]["element_type"], "prompts": entries}
     write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
     return data
+
+
+def _refuse_nonfinite(gen, where: str) -> None:
+    for k, logits in enumerate(gen.logits):
+        if not np.all(np.isfinite(logits)):
+            raise VerificationError(f"{where}: step {k} has non-finite logits; refusing to record them as goldens")
+
+
+def _at(tokens, i):
+    return tokens[i] if i < len(tokens) else "(none)"
 
 
 def load_goldens(path) -> dict:
@@ -57,16 +69,19 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False)
     data = load_goldens(path)
     backend = backend or data["backend"]
     atol = 1e-4 if data["kv_element_type"] == "f32" and backend != "npu" else 1e-2
-    pipe = open_compiled(directory, backend, from_ir=from_ir)
+    pipe = open_compiled(directory, backend, from_ir=from_ir, sha256=True)
     rows = []
     for i, entry in enumerate(data["prompts"]):
         gen = pipe.generate(entry["ids"], len(entry["tokens"]))
-        div = next((k for k, (a, b) in enumerate(zip(entry["tokens"], gen.tokens)) if a != b), None)
-        drift = max((abs(float(gen.logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:len(gen.logits)])
-                     for t, v in step), default=0.0)
-        ok = div is None and drift <= atol
-        reason = (f"token {div} changed: {entry['tokens'][div]} -> {gen.tokens[div]}" if div is not None
-                  else f"logit drift {drift:.3g} > {atol}" if drift > atol else "matches")
+        div = first_divergence(entry["tokens"], gen.tokens)
+        drifts = [abs(float(gen.logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:len(gen.logits)])
+                  for t, v in step]
+        drift = float(np.max(drifts, initial=0.0))  # NaN-propagating, unlike max()
+        nonfinite = int(sum(np.count_nonzero(~np.isfinite(x)) for x in gen.logits))
+        ok = div is None and not nonfinite and drift <= atol
+        reason = (f"{nonfinite} non-finite logit(s)" if nonfinite
+                  else f"token {div} changed: {_at(entry['tokens'], div)} -> {_at(gen.tokens, div)}" if div is not None
+                  else f"logit drift {drift:.3g} > {atol}" if not drift <= atol else "matches")
         rows.append({"prompt": i, "prompt_tokens": len(entry["ids"]), "ok": ok, "first_divergent_token": div,
                      "max_logit_drift": drift, "reason": reason})
     return {"goldens": str(path), "backend": backend, "recorded_with": data["openvino_version"],

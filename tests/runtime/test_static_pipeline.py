@@ -69,7 +69,7 @@ def test_npu_plugin_backend_agrees(name):
     """kvc's static models through the NPU plugin (NPUW, CPU backend) give the same tokens."""
     pipe = pipeline(name, "chunked", "npu")
     for prompt, ref in zip(prompts(), reference(name)):
-        verdict = judge(ref, pipe.generate(prompt, 24), f16=True)
+        verdict = judge(ref, pipe.generate(prompt, 24), reduced=True)
         assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
 
 
@@ -148,6 +148,6 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys):
     ours = pipeline(name, "chunked", "npu")
     for prompt, ref in zip(prompts(), reference(name)):
         for label, got in (("NPUW_LLM", greedy(npuw, prompt, 24)), ("kvc/NPU", ours.generate(prompt, 24))):
-            verdict = judge(ref, got, f16=True)
+            verdict = judge(ref, got, reduced=True)
             print(f"{name} {label} prompt {len(prompt)}: {verdict.reason}")
             assert verdict.ok, f"{label}, prompt of {len(prompt)} tokens: {verdict.reason}"

@@ -1,0 +1,162 @@
+"""A compiled directory is checked before it is trusted (issue 11): sizes on every open,
+sha256 on `kvc verify` and `kvc run --check`, the source found from anywhere and checked
+unchanged, and a verification that cannot be fooled by NaN weights behind a consistent
+manifest."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvc import fixtures
+from kvc.cli.main import cli
+from kvc.export.manifest import MANIFEST, dumps, file_entry
+
+SMALL = ["--max-prompt-len", "64", "--min-response-len", "64"]
+
+
+def kvc(*args, code: int = 0):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\n{result.output}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A private copy of the llama fixture, so tests may move or edit it."""
+    src = tmp_path_factory.mktemp("src") / "llama"
+    shutil.copytree(fixtures.path("llama"), src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, source):
+    out = tmp_path_factory.mktemp("trust") / "out"
+    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU")
+    return out
+
+
+@pytest.fixture
+def compiled(pristine, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(pristine, out)
+    return out
+
+
+def rehash(directory) -> None:
+    """Update the manifest's sizes and hashes to the files as they are now: a consistent lie."""
+    m = json.loads((directory / MANIFEST).read_text())
+    m["files"] = {name: file_entry(directory / name) for name in m["files"]}
+    (directory / MANIFEST).write_text(dumps(m))
+
+
+def embedding_region(directory) -> tuple[int, int]:
+    xml = (directory / "prefill.xml").read_text()
+    found = re.search(r'name="self\.model\.embed_tokens\.weight" type="Const".*?offset="(\d+)" size="(\d+)"', xml, re.S)
+    return int(found[1]), int(found[2])
+
+
+def run(directory, *extra, code=0):
+    return kvc("run", directory, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--backend", "numpy", *extra,
+               code=code)
+
+
+def test_untouched_directory_opens_and_checks(compiled):
+    run(compiled, "--check")
+
+
+def test_truncated_weights_are_refused_on_every_open(compiled):
+    weights = compiled / "weights.bin"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 64)
+    for backend in ("numpy", "openvino"):
+        out = kvc("run", compiled, "--prompt-ids", "1,2", "--backend", backend, code=3).output
+        assert "weights.bin" in out and f"expected {size} bytes, found {size - 64} bytes" in out
+        assert "[file-changed]" in out and "Traceback" not in out
+
+
+def test_altered_weights_are_refused_by_run_check_and_verify(compiled):
+    offset, _ = embedding_region(compiled)
+    with open(compiled / "weights.bin", "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x7f" * 16)
+    out = run(compiled, "--check", code=3).output
+    assert "weights.bin" in out and "sha256 differs" in out
+    assert "sha256 differs" in kvc("verify", compiled, "--backends", "numpy", code=3).output
+
+
+def test_a_missing_blob_is_refused(compiled):
+    (compiled / "prefill.CPU.blob").unlink()
+    out = kvc("run", compiled, "--prompt-ids", "1", code=3).output
+    assert "prefill.CPU.blob" in out and "[file-missing]" in out
+
+
+def test_nan_weights_behind_a_consistent_manifest_fail_verification(compiled):
+    offset, size = embedding_region(compiled)
+    with open(compiled / "weights.bin", "r+b") as f:
+        f.seek(offset)
+        f.write(np.full(size // 4, np.nan, np.float32).tobytes())
+    rehash(compiled)
+    run(compiled, "--check")  # the hashes agree: only the numbers can tell
+    for backend in ("numpy", "openvino"):
+        result = kvc("verify", compiled, "--backends", backend, "--max-new-tokens", "4", code=4)
+        assert "verification: MISMATCH" in result.output and "non-finite" in result.output
+
+
+def test_manifest_naming_a_file_outside_the_directory_is_refused(compiled):
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["files"]["../outside.bin"] = {"bytes": 1, "sha256": "0" * 64}
+    (compiled / MANIFEST).write_text(dumps(m))
+    assert "outside the compiled directory" in run(compiled, code=3).output
+
+
+def test_manifest_using_an_unlisted_file_is_refused(compiled):
+    m = json.loads((compiled / MANIFEST).read_text())
+    del m["files"]["weights.bin"]
+    (compiled / MANIFEST).write_text(dumps(m))
+    assert "'weights.bin' is used but not listed" in run(compiled, code=3).output
+
+
+def test_old_manifest_format_asks_for_a_recompile(compiled):
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["format"] = 1
+    (compiled / MANIFEST).write_text(dumps(m))
+    out = run(compiled, code=3).output
+    assert "recompile" in out and "expected format 2, found format 1" in out
+
+
+def test_verify_finds_the_source_from_any_directory(compiled, tmp_path, monkeypatch):
+    m = json.loads((compiled / MANIFEST).read_text())
+    assert m["source"]["path"].startswith("/")
+    monkeypatch.chdir(tmp_path)
+    data = json.loads(kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", "--json").stdout)
+    assert data["ok"] and data["against_recorded_source"]
+
+
+def test_a_moved_or_changed_source_is_reported(compiled, source, tmp_path):
+    moved = tmp_path / "moved"
+    source.rename(moved)
+    try:
+        out = kvc("verify", compiled, "--backends", "numpy", code=2).output
+        assert "no longer exists" in out and "--against" in out
+        data = json.loads(kvc("verify", compiled, "--against", moved, "--backends", "numpy", "--max-new-tokens", "2",
+                              "--json").stdout)
+        assert data["ok"] and data["against_recorded_source"]
+    finally:
+        moved.rename(source)
+    changed = tmp_path / "changed"
+    shutil.copytree(source, changed)
+    with open(changed / "openvino_model.bin", "r+b") as f:
+        f.write(b"\xff" * 4)
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["source"]["path"] = str(changed)
+    (compiled / MANIFEST).write_text(dumps(m))
+    rehash(compiled)
+    out = kvc("verify", compiled, "--backends", "numpy", code=3).output
+    assert "openvino_model.bin" in out and "changed since" in out and "[source-changed]" in out

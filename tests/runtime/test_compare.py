@@ -1,0 +1,142 @@
+"""The verdict policy (kvc.runtime.compare, docs/verification.md): it must never say OK on
+wrong output, and must allow a flip only at a true near-tie."""
+
+import numpy as np
+import pytest
+
+from kvc.runtime.compare import judge, nonfinite_mismatch
+from kvc.runtime.generate import Generation
+
+V = 1024  # wide enough that one wrong logit leaves NRMSE small: the token rule decides
+
+
+def run(steps: int = 4, seed: int = 0) -> Generation:
+    """A reference run: random logits with a clear winner at every step."""
+    rng = np.random.default_rng(seed)
+    logits = [rng.normal(0, 1, V).astype(np.float32) for _ in range(steps)]
+    for t, row in enumerate(logits):
+        row[t + 1] = 5.0  # winner at a margin of several units
+    return Generation([1, 2], [int(np.argmax(r)) for r in logits], logits)
+
+
+def edit(gen: Generation, step: int, token: int, value: float, noise: float = 0.0, seed: int = 1,
+         above: int | None = None) -> Generation:
+    """`gen` with every logit moved by up to `noise`, then one logit set to `value` (or to
+    `value` above the moved logit of token `above`); tokens re-derived."""
+    rng = np.random.default_rng(seed)
+    logits = [r + rng.uniform(-noise, noise, V).astype(np.float32) for r in gen.logits]
+    logits[step][token] = value + (logits[step][above] if above is not None else 0.0)
+    return Generation(gen.prompt, [int(np.argmax(r)) for r in logits], logits)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_identical_runs_pass(reduced):
+    ref = run()
+    assert judge(ref, edit(ref, 0, 0, ref.logits[0][0]), reduced=reduced).ok
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_non_finite_logit_is_a_mismatch(value, reduced):
+    ref = run()
+    # On a token that is not the winner: tokens stay identical, only the value is wrong.
+    got = edit(ref, 2, 0, value)
+    if value == -np.inf:
+        assert got.tokens == ref.tokens
+    v = judge(ref, got, reduced=reduced)
+    assert not v.ok
+    assert "non-finite" in v.reason and "step 2, token 0" in v.reason
+
+
+def test_nan_everywhere_is_a_mismatch_even_where_tokens_agree():
+    ref = run()
+    logits = [np.full(V, np.nan, np.float32) for _ in ref.logits]
+    got = Generation(ref.prompt, list(ref.tokens), logits)  # tokens forged equal
+    for reduced in (False, True):
+        v = judge(ref, got, reduced=reduced)
+        assert not v.ok and "non-finite" in v.reason
+
+
+def test_the_same_non_finite_value_on_both_sides_is_not_a_mismatch():
+    ref = run()
+    ref.logits[1][3] = -np.inf
+    ref.logits[2][0] = np.nan
+    got = Generation(ref.prompt, list(ref.tokens), [r.copy() for r in ref.logits])
+    assert nonfinite_mismatch(np.stack(ref.logits), np.stack(got.logits)) is None
+    assert judge(ref, got).ok
+    got.logits[1][3] = np.inf  # the other sign is a different value
+    assert not judge(ref, got).ok
+
+
+def test_a_reference_nan_that_the_actual_lacks_is_a_mismatch():
+    ref = run()
+    got = Generation(ref.prompt, list(ref.tokens), [r.copy() for r in ref.logits])
+    ref.logits[0][0] = np.nan
+    assert not judge(ref, got, reduced=True).ok
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_wrong_token_at_a_large_margin_is_a_mismatch(reduced):
+    ref = run()
+    # Step 1's winner is token 2 at 5.0 and token 7 the runner-up at 4.5; token 7 is pushed
+    # just above it while every other logit moves by 1e-4 at most.
+    ref.logits[1][7] = 4.5
+    got = edit(ref, 1, 7, 0.1, noise=1e-4, above=2)
+    assert got.tokens[1] == 7 and ref.tokens[1] == 2
+    v = judge(ref, got, reduced=reduced)
+    assert not v.ok
+    assert v.comparison.first_divergent_token == 1
+    assert v.comparison.margin_at_divergence == pytest.approx(0.5)
+    assert v.comparison.nrmse < 0.01  # the token rule, not NRMSE, catches it
+    assert "token 1 differs" in v.reason
+
+
+def test_a_wrong_token_is_a_mismatch_even_when_the_noise_is_large_at_that_one_place():
+    """The swapped pair is not its own evidence: a flip needs error on those two logits, so
+    the noise bound is measured on every other logit."""
+    ref = run()
+    got = edit(ref, 0, 9, 6.0, noise=1e-3)  # margin ~5 crossed by an error of ~6 on one logit
+    v = judge(ref, got, reduced=True)
+    assert not v.ok and v.comparison.noise < 0.01
+
+
+def test_a_flip_at_a_true_near_tie_is_allowed_on_reduced_precision_and_reported():
+    ref = run()
+    ref.logits[2][11] = ref.logits[2][3] - 0.002  # token 3 wins step 2 by 0.002 over token 11
+    got = edit(ref, 2, 11, 0.001, noise=0.005, above=3)
+    assert got.tokens[2] == 11 and ref.tokens[2] == 3
+    v = judge(ref, got, reduced=True)
+    assert v.ok, v.reason
+    assert v.comparison.first_divergent_token == 2
+    assert v.comparison.margin_at_divergence == pytest.approx(0.002, abs=1e-5)
+    assert "near-tie" in v.reason and "token 2" in v.reason
+    # Exact backends allow no flip at all.
+    assert not judge(ref, got, reduced=False).ok
+    # The same flip with no noise measured elsewhere is not explained by rounding.
+    quiet = edit(ref, 2, 11, 0.001, noise=0.0, above=3)
+    assert not judge(ref, quiet, reduced=True).ok
+
+
+def test_the_noise_bound_never_swallows_a_big_margin():
+    """A flip at margin 0.4 needs noise above 0.2 everywhere else, which NRMSE then refuses."""
+    ref = run()
+    ref.logits[1][9] = ref.logits[1][2] - 0.4
+    got = edit(ref, 1, 9, 0.01, noise=0.19, above=2)
+    v = judge(ref, got, reduced=True)
+    assert not v.ok
+
+
+def test_fewer_tokens_than_expected_is_a_mismatch():
+    ref = run()
+    got = Generation(ref.prompt, ref.tokens[:2], ref.logits[:2])
+    for reduced in (False, True):
+        v = judge(ref, got, reduced=reduced)
+        assert not v.ok and "2 tokens generated, 4 expected" in v.reason
+
+
+def test_logit_drift_beyond_tolerance_with_equal_tokens():
+    ref = run()
+    got = edit(ref, 0, 0, float(ref.logits[0][0]) + 1e-3)
+    assert got.tokens == ref.tokens
+    assert not judge(ref, got).ok
+    assert judge(ref, got, reduced=True).ok  # NRMSE ~1e-4
