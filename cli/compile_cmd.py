@@ -70,3 +70,6 @@ def render_summary(out: Path, manifest: dict) -> None:
         for r in v["results"]:
             click.echo(f"verification: prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new: {r['reason']} "
                        f"(max abs {r['max_abs']:.2g})")
+    for r in manifest.get("blob_check", []):
+        click.echo(f"blobs: {r['device']}, prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new "
+                   f"(variants {', '.join(map(str, r['variants'])) or '-'}): {r['reason']}")

@@ -78,8 +78,8 @@ def static_options(f):
         click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
                      help="Prefill returns only the last position's logits (as NPUW does)."),
         click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
-                     help="beam_idx handling: drop it (OpenVINO), keep its Gathers (npu_compiler), or fuse an "
-                          "indirect beam table."),
+                     help="beam_idx handling: drop it (OpenVINO). keep and indirect are refused: the static "
+                          "contract runs batch 1."),
         click.option("--attention", type=click.Choice(["grouped", "sdpa"]), default="grouped", show_default=True,
                      help="grouped: attention as MatMuls over the unexpanded GQA cache (no per-step copy of "
                           "the cache); sdpa: keep ScaledDotProductAttention."),
@@ -95,12 +95,8 @@ def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, va
                         slice_logits, beam, attention, passes_):
     from kvc.export.build import StaticOptions
 
-    common = passes_
-    if beam == "indirect" and not passes_:
-        common = "lift-state{beam=keep},fuse-kvcache{beam=indirect}"
     return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
-                         kv_precision, transpose_v, slice_logits, "keep" if beam == "indirect" else beam, common,
-                         attention)
+                         kv_precision, transpose_v, slice_logits, beam, passes_, attention)
 
 
 STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from kvc.errors import UsageError
 from kvc.ir import collector
 from kvc.ir.bundle import Bundle
 from kvc.ir.kv_discovery import kv_layout
@@ -40,6 +41,14 @@ class StaticOptions:
     beam: str = "drop"
     passes: str | None = None  # the common pipeline; default: lift-state{beam=<beam>}
     attention: str = "grouped"  # "grouped": group-attention rewrites SDPA; "sdpa": kept as is
+
+    def __post_init__(self) -> None:
+        if self.beam != "drop":
+            raise UsageError(
+                f"beam={self.beam} cannot be compiled: the static contract runs batch 1 (REFERENCE.md §4), where "
+                f"beam_idx is always [0] and its Gathers reorder nothing, and an empty prefill past cannot feed "
+                f"them; use beam=drop (the default). Beam reordering stays available on stateful models as the "
+                f"passes lift-state{{beam=keep}} and fuse-kvcache{{beam=indirect}} (kvc passes)")
 
     def common_pipeline(self) -> str:
         return self.passes or ("lift-state" if self.beam == "drop" else f"lift-state{{beam={self.beam}}}")

@@ -7,8 +7,9 @@
     OUT/manifest.json                        written last (kvc.export.manifest)
 
 Everything is written into a temporary sibling directory that is renamed to OUT only when
-complete, so OUT is either the whole result or absent; a failed verification publishes
-nothing.
+complete, so OUT is either the whole result or absent. Before it is published, the static IR
+is verified against the source and every blob is imported the way `kvc run` imports it and
+run on the same probes; a failure of either publishes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvc.passes import Instrumentation
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
 DEVICES = ("CPU", "NPU")
+SMALL_CONSTANT_BYTES = 1024  # embedded in weightless blobs (embed_small_constants)
 # Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
                    "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
@@ -116,8 +118,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         config = device_config(device, for_export=True)
         for name, xml in xmls.items():
             progress(f"compiling {name} for {device}")
+            model = load(xml, weights=work / WEIGHTS_FILE)
+            if device == "CPU":
+                embed_small_constants(model)
             try:
-                compiled = core().compile_model(load(xml, weights=work / WEIGHTS_FILE), device, config)
+                compiled = core().compile_model(model, device, config)
                 blob = compiled.export_model().getvalue()
             except RuntimeError as exc:
                 raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
@@ -131,20 +136,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         if (source_dir / fname).is_file():
             shutil.copyfile(source_dir / fname, work / fname)
             tokenizer.append(fname)
-    verification = None
-    if options.verify:
-        progress("verifying the static pipeline against the source model (numpy)")
-        from kvc.verify.compiled import verify_static
-
-        verification = verify_static(load(model_path), static, options.verify_tokens)
-        if not verification["ok"]:
-            bad = next(r for r in verification["results"] if not r["ok"])
-            raise VerificationError(
-                f"the compiled pipeline does not reproduce {model_path}: prompt of {bad['prompt_tokens']} tokens: "
-                f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
-    # Outputs, not diagnostics: dumps (and their timings) are left out.
-    files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
-    return {
+    manifest = {
         "format": FORMAT,
         "kvc_version": __version__,
         "openvino_version": openvino_version(),
@@ -155,9 +147,63 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "weights": WEIGHTS_FILE,
         "models": models,
         "tokenizer": tokenizer,
-        "verification": verification,
-        "files": {p.relative_to(work).as_posix(): file_entry(p) for p in files},
     }
+    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, options, progress)
+    # Outputs, not diagnostics: dumps (and their timings) are left out.
+    files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
+    manifest["files"] = {p.relative_to(work).as_posix(): file_entry(p) for p in files}
+    return manifest
+
+
+def _check(model_path: Path, work: Path, manifest: dict, static, options: CompileOptions, progress):
+    """Nothing is published unless it works: the static IR against the source (numpy, unless
+    --no-verify), then every blob imported as `kvc run` imports it and run on the same probes
+    (against the IR's answers; only for finite logits with --no-verify)."""
+    from kvc.verify.compiled import check_blobs, ir_generations, probe_cases, verify_static
+
+    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
+    cases = probe_cases(static.plan, vocab, options.verify_tokens)
+    verification = ir_gens = None
+    if options.verify:
+        progress("verifying the static pipeline against the source model (numpy)")
+        ir_gens = ir_generations(static, cases)
+        verification = verify_static(load(model_path), static, cases, ir_gens)
+        if not verification["ok"]:
+            bad = next(r for r in verification["results"] if not r["ok"])
+            raise VerificationError(
+                f"the compiled pipeline does not reproduce {model_path}: prompt of {bad['prompt_tokens']} tokens: "
+                f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
+    rows = []
+    for device in options.devices:
+        progress(f"importing and running the {device} blobs")
+        rows += check_blobs(work, manifest, device, cases, ir_gens)
+        bad = next((r for r in rows if not r["ok"]), None)
+        if bad is not None:
+            raise VerificationError(
+                f"the {device} blobs do not reproduce the static IR: prompt of {bad['prompt_tokens']} tokens: "
+                f"{bad['reason']}; nothing was written (kvc compile --device CPU --no-verify and "
+                f"kvc run --from-ir to compare)")
+    return verification, rows
+
+
+def embed_small_constants(model) -> None:
+    """Make a weightless blob carry every constant under 1 KB itself, reading only the real
+    weights from weights.bin at import.
+
+    OpenVINO 2026.4.1's CPU plugin restores weightless constants from WEIGHTS_PATH by their
+    recorded offset, size and element type. For i64 constants holding values outside the i32
+    range (torch's `x[..., ::2]` exports Slice stops of INT64_MAX, as in GPT-J's and CodeGen's
+    interleaved rotary) the restored value differs from the compiled one in static models:
+    the blob compiles and exports, then fails at import ("Requested output shape [1,1,4,4,1]
+    is incompatible with input shape"); the same stops at INT32_MAX import fine. Without the
+    weightless attribute a constant is stored in the blob; for constants this small that
+    also makes the blob smaller than the reference to weights.bin would.
+    """
+    for op in model.get_ops():
+        if op.get_type_name() == "Constant" and op.get_byte_size() < SMALL_CONSTANT_BYTES:
+            rt = op.get_rt_info()
+            for key in [k for k in rt.keys() if k.startswith("WeightlessCacheAttribute")]:
+                del rt[key]
 
 
 def _import_config(device: str, config: dict) -> dict:

@@ -50,6 +50,17 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
                            device_config(device, for_export=False))
 
 
+def backend_config(manifest: dict, backend: str, *, from_ir: bool = False) -> dict | None:
+    """The OpenVINO configuration `backend` runs the compiled models with (None for numpy):
+    the blobs' import configuration, or the device's when compiled from the IR."""
+    if backend == "numpy":
+        return None
+    device = _DEVICE[backend]
+    blob = manifest["models"]["prefill"]["blobs"].get(device)
+    return dict(blob["import_config"]) if blob is not None and not from_ir else \
+        device_config(device, for_export=False)
+
+
 def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: bool = False,
                   sha256: bool = False) -> StaticPipeline:
     """A StaticPipeline over a compiled directory, after checking every file's size against
@@ -59,6 +70,12 @@ def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: boo
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest, sha256=sha256)
+    return pipeline_from(directory, manifest, backend, from_ir=from_ir)
+
+
+def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False) -> StaticPipeline:
+    """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
+    unpublished output to import and run every blob it wrote."""
     plan = plan_from(manifest)
     generate = {}
     for name in manifest["models"]:

@@ -22,8 +22,14 @@ from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_nam
 # OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
 # it); a reference comparison needs f32 throughout (REFERENCE.md §1).
 EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
-# The NPU plugin on a machine without an NPU: NPUW with CPU as its backend (REFERENCE.md §5).
-NPUW_CPU_CONFIG = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_ONLINE_PIPELINE": "NONE"}
+# The NPU plugin on a machine without an NPU: NPUW with CPU as its backend (REFERENCE.md §5),
+# computing in f32 whatever the host offers: left to its defaults the CPU computes in bf16 where
+# it has AVX512_BF16 or AMX, so results would measure the host, not the model. NPUW forwards
+# properties that are not its own to its devices (npuw/compiled_model.cpp,
+# get_properties_per_device); an invalid value here is rejected by the CPU plugin's parser.
+# The KV precision is what the static models' past/present ports declare.
+NPUW_CPU_CONFIG = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_ONLINE_PIPELINE": "NONE",
+                   "INFERENCE_PRECISION_HINT": "f32"}
 
 
 class Session(Protocol):

@@ -7,30 +7,71 @@ import numpy as np
 from kvc.export.build import StaticModels
 from kvc.runtime.session import NumpySession
 
-def verify_static(source_model, static: StaticModels, tokens: int = 8) -> dict:
-    """The compile-time check: kvc's static pipeline on the numpy runtime against the original
-    model on the numpy runtime, on two deterministic prompts."""
-    from kvc.runtime.compare import judge
-    from kvc.runtime.generate import greedy
-    from kvc.runtime.static_pipeline import StaticPipeline, max_new_tokens
+def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Compile's probes: deterministic prompts of 7 and 33 tokens (at most P), `tokens` new
+    tokens each (at most what fits). With several generate variants the first prompt runs on
+    until one step on the variant after the one it starts on, so a switch is exercised."""
+    from kvc.runtime.static_pipeline import max_new_tokens
+
+    rng = np.random.default_rng(seed)
+    cases = []
+    for length in sorted({min(plan.prompt, 7), min(plan.prompt, 33)}):
+        n = tokens
+        start = next((s for s in plan.sizes if s >= length + plan.response), plan.sizes[-1])
+        if not cases and start != plan.sizes[-1]:
+            n = max(n, start - length + plan.tokens + 1)
+        cases.append((rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length))))
+    return cases
+
+
+def ir_generations(static: StaticModels, cases) -> list:
+    """The static models run by kvc's numpy runtime on each probe: the IR's own answer."""
+    from kvc.runtime.static_pipeline import StaticPipeline
 
     pipeline = StaticPipeline(NumpySession(static.models["prefill"]),
                               {size: NumpySession(static.models[name]) for size, name in static.generate_names.items()},
                               static.plan, static.kv)
+    return [pipeline.generate(prompt, n) for prompt, n in cases]
+
+
+def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
+    """The compile-time check: kvc's static pipeline on the numpy runtime (`ir_gens`) against
+    the original model on the numpy runtime, on the probe cases."""
+    from kvc.runtime.compare import judge
+    from kvc.runtime.generate import greedy
+
     reference = NumpySession(source_model)
-    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    rng = np.random.default_rng(0)
-    f16 = any(k.element_type == "f16" for k in static.kv)
+    reduced = any(k.element_type != "f32" for k in static.kv)
     results = []
-    for length in sorted({min(static.plan.prompt, 7), min(static.plan.prompt, 33)}):
-        prompt = rng.integers(1, vocab, length)
-        n = min(tokens, max_new_tokens(static.plan, length))
-        verdict = judge(greedy(reference, prompt, n), pipeline.generate(prompt, n), reduced=f16)
-        results.append({"backend": "numpy", "prompt_tokens": length, "new_tokens": n, **verdict.to_dict()})
+    for (prompt, n), got in zip(cases, ir_gens):
+        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced)
+        results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on kvc's numpy runtime", "ok": all(r["ok"] for r in results),
             "results": results}
 
 
+def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> list[dict]:
+    """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
+    does and run the probe cases through them. Judged against the IR's generations on kvc's
+    numpy runtime when given (exact with f32 KV on CPU, else reduced precision), else only
+    for finite logits. An import or inference failure raises DeviceError."""
+    from kvc.export.load import pipeline_from
+    from kvc.runtime.compare import judge
+
+    backend = {"CPU": "openvino", "NPU": "npu"}[device]
+    pipe = pipeline_from(directory, manifest, backend)
+    reduced = device != "CPU" or any(k["element_type"] != "f32" for k in manifest["kv"])
+    rows = []
+    for i, (prompt, n) in enumerate(cases):
+        got = pipe.generate(prompt, n)
+        row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
+        if ir_gens is not None:
+            row.update(judge(ir_gens[i], got, reduced=reduced).to_dict())
+        else:
+            finite = all(np.all(np.isfinite(x)) for x in got.logits)
+            row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
+        rows.append(row)
+    return rows
 
 
 def default_prompts(plan, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -53,7 +94,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties)."""
     from pathlib import Path
 
-    from kvc.export.load import open_compiled, plan_from
+    from kvc.export.load import backend_config, open_compiled, plan_from
     from kvc.export.manifest import check_files, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import judge
     from kvc.runtime.generate import greedy
@@ -82,4 +123,5 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
+            "backend_configs": {b: backend_config(manifest, b, from_ir=from_ir) for b in backends},
             "ok": all(r["ok"] for r in rows), "results": rows}

@@ -74,10 +74,11 @@ def test_compile_errors(tmp_path, compiled):
     bad = tmp_path / "bad.xml"
     bad.write_text("<net")
     assert "not well-formed XML" in kvc("compile", bad, "-o", tmp_path / "x", code=3).output
-    # An indirect beam table has no place in the batch-1 static contract: a pass error, not a crash.
-    result = kvc("compile", "-o", tmp_path / "x", *SMALL, "--beam", "indirect", code=6)
-    assert "indirect KVCache has no place in the batch-1 static contract" in result.output
-    assert "passes run before it" in result.output and "Traceback" not in result.output
+    # A beam has no place in the batch-1 static contract: refused before any pass runs.
+    for beam in ("keep", "indirect"):
+        result = kvc("compile", "-o", tmp_path / "x", *SMALL, "--beam", beam, code=2)
+        assert f"beam={beam} cannot be compiled" in result.output and "batch 1" in result.output
+        assert "running passes" not in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x").exists()
 
 

@@ -160,3 +160,38 @@ def test_a_moved_or_changed_source_is_reported(compiled, source, tmp_path):
     rehash(compiled)
     out = kvc("verify", compiled, "--backends", "numpy", code=3).output
     assert "openvino_model.bin" in out and "changed since" in out and "[source-changed]" in out
+
+
+def test_npu_blobs_are_checked_and_run_in_f32_whatever_the_host(tmp_path, source):
+    out = tmp_path / "npu"
+    manifest = json.loads(kvc("compile", source, "-o", out, *SMALL, "--variants", "80,128", "--device", "CPU",
+                              "--device", "NPU", "--json").stdout)
+    rows = manifest["blob_check"]
+    assert {r["device"] for r in rows} == {"CPU", "NPU"} and all(r["ok"] for r in rows)
+    # The first probe runs from the 80 variant into the 128 one on every device.
+    assert all(r["variants"] == [80, 128] for r in rows if r["prompt_tokens"] == 7)
+    blob = manifest["models"]["prefill"]["blobs"]["NPU"]
+    assert blob["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    data = json.loads(kvc("verify", out, "--backends", "npu", "--max-new-tokens", "4", "--json").stdout)
+    assert data["ok"] and data["backend_configs"]["npu"]["INFERENCE_PRECISION_HINT"] == "f32"
+
+
+def test_a_blob_that_does_not_import_is_never_published(tmp_path, source, monkeypatch):
+    """Compile imports every blob as `kvc run` does: a blob that fails there fails compile."""
+    import kvc.export.compile as compile_mod
+
+    real = compile_mod._import_config
+    monkeypatch.setattr(compile_mod, "_import_config",
+                        lambda device, config: {**real(device, config), "WEIGHTS_PATH": "no-such-weights.bin"})
+    out = tmp_path / "bad"
+    result = kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", code=5)
+    assert re.search(r"cannot import (prefill|generate-128)\.CPU\.blob on CPU: ", result.output)
+    assert not out.exists() and not list(tmp_path.glob(".bad*"))
+
+
+def test_beam_keep_is_refused_up_front_by_the_library():
+    from kvc.errors import UsageError
+    from kvc.export.build import StaticOptions
+
+    with pytest.raises(UsageError, match="beam=keep cannot be compiled: the static contract runs batch 1"):
+        StaticOptions(beam="keep")
