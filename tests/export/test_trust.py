@@ -195,3 +195,26 @@ def test_beam_keep_is_refused_up_front_by_the_library():
 
     with pytest.raises(UsageError, match="beam=keep cannot be compiled: the static contract runs batch 1"):
         StaticOptions(beam="keep")
+
+
+@pytest.mark.parametrize("name", ["gptj", "cohere"])
+def test_interleaved_rotary_blobs_import_and_match_the_ir(name, tmp_path):
+    """GPT-J (rotary_dim 8 of 16) and Cohere rotate with x[..., ::2] slices, whose INT64_MAX
+    stops OpenVINO 2026.4.1's CPU plugin restored wrongly from a weightless blob."""
+    out = tmp_path / name
+    kvc("compile", fixtures.path(name), "-o", out, *SMALL, "--device", "CPU")
+    args = ("--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json")
+    blob = json.loads(kvc("run", out, *args).stdout)
+    ir = json.loads(kvc("run", out, *args, "--from-ir").stdout)
+    assert blob["tokens"] == ir["tokens"]
+
+
+def test_without_embedded_small_constants_the_blob_check_refuses_gptj(tmp_path, monkeypatch):
+    """The blob check is what stands between that OpenVINO bug and a published directory."""
+    import kvc.export.compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "embed_small_constants", lambda model: None)
+    out = tmp_path / "gptj"
+    result = kvc("compile", fixtures.path("gptj"), "-o", out, *SMALL, "--device", "CPU", code=5)
+    assert re.search(r"cannot import (prefill|generate-128)\.CPU\.blob on CPU: .*incompatible", result.output)
+    assert not out.exists()

@@ -133,8 +133,10 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys):
         with pytest.raises(RuntimeError, match="Argument shapes are inconsistent"):
             ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG)
         return
-    if fixtures.goldens(name)["config"]["num_key_value_heads"] == 1:
-        # NPUW_LLM's graph rewrites lose a parameter on this multi-query model.
+    if fixtures.goldens(name)["config"]["num_key_value_heads"] == 1 or name == "gptj":
+        # NPUW_LLM's graph rewrites lose a parameter (an f16 [1, H, P, D] KV input) on the
+        # multi-query model and on GPT-J's partial interleaved rotary; kvc runs both
+        # (test_npu_plugin_backend_agrees).
         with pytest.raises(RuntimeError, match="Model references undeclared parameters"):
             ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG)
         return
