@@ -21,6 +21,7 @@ from kvc.runtime.static_pipeline import KVSpec, StaticPipeline
 
 BACKENDS = ("numpy", "openvino", "npu")
 _DEVICE = {"openvino": "CPU", "npu": "NPU"}
+BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
 
 
 def plan_from(manifest: dict) -> LengthPlan:

@@ -84,6 +84,17 @@ def nonfinite_mismatch(ref, actual) -> str | None:
             f"reference {r[where]:.6g}, found {x[where]:.6g}")
 
 
+def count_nonfinite(logits) -> int:
+    """NaN and ±Inf values among a run's logits (a list of per-step arrays)."""
+    return int(sum(np.count_nonzero(~np.isfinite(x)) for x in logits))
+
+
+def reduced_precision(kv_element_types, backend: str) -> bool:
+    """Whether a run is judged as reduced precision (module docstring, rule 3): KV stored in
+    anything but f32, or the NPU plugin."""
+    return backend == "npu" or any(t != "f32" for t in kv_element_types)
+
+
 def _finite_pairs(r: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     keep = np.isfinite(r) & np.isfinite(x)
     return r[keep], x[keep]

@@ -37,11 +37,11 @@ def ir_generations(static: StaticModels, cases) -> list:
 def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
     """The compile-time check: kvc's static pipeline on the numpy runtime (`ir_gens`) against
     the original model on the numpy runtime, on the probe cases."""
-    from kvc.runtime.compare import judge
+    from kvc.runtime.compare import judge, reduced_precision
     from kvc.runtime.generate import greedy
 
     reference = NumpySession(source_model)
-    reduced = any(k.element_type != "f32" for k in static.kv)
+    reduced = reduced_precision([k.element_type for k in static.kv], "numpy")
     results = []
     for (prompt, n), got in zip(cases, ir_gens):
         verdict = judge(greedy(reference, prompt, n), got, reduced=reduced)
@@ -55,12 +55,12 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV on CPU, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
-    from kvc.export.load import pipeline_from
-    from kvc.runtime.compare import judge
+    from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
+    from kvc.runtime.compare import count_nonfinite, judge, reduced_precision
 
-    backend = {"CPU": "openvino", "NPU": "npu"}[device]
+    backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend)
-    reduced = device != "CPU" or any(k["element_type"] != "f32" for k in manifest["kv"])
+    reduced = reduced_precision([k["element_type"] for k in manifest["kv"]], backend)
     rows = []
     for i, (prompt, n) in enumerate(cases):
         got = pipe.generate(prompt, n)
@@ -68,7 +68,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
         if ir_gens is not None:
             row.update(judge(ir_gens[i], got, reduced=reduced).to_dict())
         else:
-            finite = all(np.all(np.isfinite(x)) for x in got.logits)
+            finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
         rows.append(row)
     return rows
@@ -94,9 +94,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties)."""
     from pathlib import Path
 
-    from kvc.export.load import backend_config, open_compiled, plan_from
+    from kvc.export.load import backend_config, pipeline_from, plan_from
     from kvc.export.manifest import check_files, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import judge
+    from kvc.runtime.compare import judge, reduced_precision
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
 
@@ -109,16 +109,16 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     ref = reference_session(source, reference_backend)
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     prompts = prompts or default_prompts(plan, vocab)
-    f16 = any(k["element_type"] == "f16" for k in manifest["kv"])
+    kv_types = [k["element_type"] for k in manifest["kv"]]
     references = {}
     rows = []
     for backend in backends:
-        pipe = open_compiled(directory, backend, from_ir=from_ir)
+        pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
             n = min(new_tokens, max_new_tokens(plan, len(prompt)))
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
-            verdict = judge(references[(i, n)], pipe.generate(prompt, n), reduced=f16 or backend == "npu")
+            verdict = judge(references[(i, n)], pipe.generate(prompt, n), reduced=reduced_precision(kv_types, backend))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

@@ -18,7 +18,7 @@ from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import open_compiled
 from kvc.export.manifest import openvino_version, read_manifest
 from kvc.ir.writer import write_bytes_atomic
-from kvc.runtime.compare import first_divergence
+from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
 from kvc.runtime.static_pipeline import max_new_tokens
 
 TOP = 5
@@ -32,7 +32,9 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
     for prompt in prompts:
         n = min(new_tokens, max_new_tokens(pipe.plan, len(prompt)))
         gen = pipe.generate(prompt, n)
-        _refuse_nonfinite(gen, f"{directory} on {backend}, prompt of {len(prompt)} tokens")
+        if count_nonfinite(gen.logits):
+            raise VerificationError(f"{directory} on {backend}, prompt of {len(prompt)} tokens: non-finite logits; "
+                                    f"refusing to record them as goldens")
         steps = []
         for logits in gen.logits:
             top = np.argsort(-logits, kind="stable")[:TOP]
@@ -42,12 +44,6 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
             "backend": backend, "kv_element_type": manifest["kv"][0]["element_type"], "prompts": entries}
     write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
     return data
-
-
-def _refuse_nonfinite(gen, where: str) -> None:
-    for k, logits in enumerate(gen.logits):
-        if not np.all(np.isfinite(logits)):
-            raise VerificationError(f"{where}: step {k} has non-finite logits; refusing to record them as goldens")
 
 
 def _at(tokens, i):
@@ -68,7 +64,7 @@ def load_goldens(path) -> dict:
 def check(directory, path, *, backend: str | None = None, from_ir: bool = False) -> dict:
     data = load_goldens(path)
     backend = backend or data["backend"]
-    atol = 1e-4 if data["kv_element_type"] == "f32" and backend != "npu" else 1e-2
+    atol = 1e-2 if reduced_precision([data["kv_element_type"]], backend) else 1e-4
     pipe = open_compiled(directory, backend, from_ir=from_ir, sha256=True)
     rows = []
     for i, entry in enumerate(data["prompts"]):
@@ -77,7 +73,7 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False)
         drifts = [abs(float(gen.logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:len(gen.logits)])
                   for t, v in step]
         drift = float(np.max(drifts, initial=0.0))  # NaN-propagating, unlike max()
-        nonfinite = int(sum(np.count_nonzero(~np.isfinite(x)) for x in gen.logits))
+        nonfinite = count_nonfinite(gen.logits)
         ok = div is None and not nonfinite and drift <= atol
         reason = (f"{nonfinite} non-finite logit(s)" if nonfinite
                   else f"token {div} changed: {_at(entry['tokens'], div)} -> {_at(gen.tokens, div)}" if div is not None

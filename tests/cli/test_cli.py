@@ -18,14 +18,8 @@ from kvc import fixtures
 from kvc.cli.main import cli
 from kvc.passes.base import Pass, PassResult
 from kvc.passes.registry import register_pass
+from tests.cli.runner import SMALL, kvc
 
-SMALL = ["--max-prompt-len", "64", "--min-response-len", "64"]
-
-
-def kvc(*args, code: int = 0):
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\n{result.output}"
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,10 @@ import shutil
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-
 from kvc import fixtures
-from kvc.cli.main import cli
 from kvc.export.manifest import MANIFEST, dumps, file_entry
+from tests.cli.runner import SMALL, kvc
 
-SMALL = ["--max-prompt-len", "64", "--min-response-len", "64"]
-
-
-def kvc(*args, code: int = 0):
-    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\n{result.output}"
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +98,21 @@ def test_nan_weights_behind_a_consistent_manifest_fail_verification(compiled):
     for backend in ("numpy", "openvino"):
         result = kvc("verify", compiled, "--backends", backend, "--max-new-tokens", "4", code=4)
         assert "verification: MISMATCH" in result.output and "non-finite" in result.output
+
+
+def test_goldens_never_record_and_always_fail_non_finite_logits(compiled, tmp_path):
+    goldens = tmp_path / "goldens.json"
+    kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "3")
+    offset, size = embedding_region(compiled)
+    with open(compiled / "weights.bin", "r+b") as f:
+        f.seek(offset)
+        f.write(np.full(size // 4, np.nan, np.float32).tobytes())
+    rehash(compiled)
+    out = kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", code=4).output
+    assert "non-finite logit(s)" in out
+    again = tmp_path / "again.json"
+    out = kvc("verify", compiled, "--record", again, "--backends", "numpy", "--max-new-tokens", "3", code=4).output
+    assert "refusing to record them as goldens" in out and not again.exists()
 
 
 def test_manifest_naming_a_file_outside_the_directory_is_refused(compiled):
