@@ -49,9 +49,10 @@ def weight_bytes(model_dir: Path) -> int:
 def child_work(model: Path, out: Path) -> dict:
     start = time.perf_counter()
     import kvc.ir as ir
-    from kvc.export.build import StaticOptions, build_static
+    from kvc.export.build import build_static
     from kvc.ir.bundle import Bundle
     from kvc.passes import load_all
+    from kvc.plan import StaticOptions
 
     load_all()  # the pass modules are imported on first use: import time, not work
     t0 = time.perf_counter()
@@ -68,8 +69,8 @@ def child_work(model: Path, out: Path) -> dict:
 
 
 def child_e2e(model: Path, out: Path, device: str) -> dict:
-    from kvc.export.build import StaticOptions
     from kvc.export.compile import CompileOptions, compile_to
+    from kvc.plan import StaticOptions
 
     t0 = time.perf_counter()
     manifest = compile_to(model, out, CompileOptions(StaticOptions(1024, 128, variants=VARIANTS), devices=(device,),
@@ -84,10 +85,9 @@ def child_decode(compiled: Path, prompt_len: int, steps: int, rounds: int, profi
     import numpy as np
 
     import kvc.ir as ir
-    from kvc.export.load import plan_from
-    from kvc.export.manifest import read_manifest
+    from kvc.export.manifest import plan_of, read_manifest
     from kvc.runtime.session import OpenVINOSession
-    from kvc.runtime.static_pipeline import KVSpec, StaticPipeline
+    from kvc.runtime.static_pipeline import StaticPipeline
 
     manifest = read_manifest(compiled)
     config = {"PERF_COUNT": "YES"} if profile else {}
@@ -96,9 +96,8 @@ def child_decode(compiled: Path, prompt_len: int, steps: int, rounds: int, profi
         m = ir.load(compiled / manifest["models"][name]["xml"], weights=compiled / "weights.bin")
         return OpenVINOSession(m, "CPU", config, exact=False)
 
-    plan = plan_from(manifest)
     generate = {int(n.split("-")[1]): session(n) for n in manifest["models"] if n.startswith("generate-")}
-    pipe = StaticPipeline(session("prefill"), generate, plan, [KVSpec.from_dict(k) for k in manifest["kv"]])
+    pipe = StaticPipeline(session("prefill"), generate, plan_of(manifest))
     prompt = np.random.default_rng(0).integers(1, 32000, prompt_len)
     prefill, per_token, variants = [], [], None
     for _ in range(rounds):

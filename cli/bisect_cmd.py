@@ -18,21 +18,27 @@ from kvc.errors import VerificationError
 @json_option
 def bisect(model, prompt_ids, steps, as_json, **kwargs):
     """Run the compile pipeline pass by pass on kvc's numpy runtime, comparing every
-    intermediate model with MODEL; report the first pass beyond tolerance and the first
-    tensor that diverges there. Exit 4 when a pass changes the outputs."""
+    intermediate model with MODEL; name the pass after which the outputs are wrong and stay
+    wrong, and the first tensor that diverges there. A pass whose divergence a later pass
+    undoes (static-shape before mask-positions, on a sliding window) shows as "restored".
+    Custom passes: --pass-plugin FILE.py --passes 'lift-state,my-pass'. Exit 4 when a pass
+    changes the outputs."""
     import kvc.ir as ir
     from kvc.cli.options import parse_ids
     from kvc.verify.bisect import bisect as run_bisect
 
     options = pop_static(kwargs)
     path = resolve_model(model)
-    progress(f"bisecting {path}: {options.common_pipeline()}, then each static branch")
+    from kvc.export.build import common_passes
+    from kvc.passes import format_pipeline
+
+    progress(f"bisecting {path}: {format_pipeline(common_passes(options))}, then each static branch")
     report = run_bisect(ir.load(path), options, prompt=parse_ids(prompt_ids) if prompt_ids else None, steps=steps)
     if as_json:
         echo_json(report.to_dict())
     else:
         click.echo(table(["branch", "#", "pass", "max abs", "NRMSE", "result"],
-                         [(s.branch, s.index, s.spec, f"{s.max_abs:.2g}", f"{s.nrmse:.2g}", "ok" if s.ok else "CHANGED")
+                         [(s.branch, s.index, s.spec, f"{s.max_abs:.2g}", f"{s.nrmse:.2g}", _result(s))
                           for s in report.stages]))
     if report.ok:
         if not as_json:
@@ -40,7 +46,11 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
         return
     bad, tensor = report.first_bad, report.first_tensor
     where = (f"; first diverging tensor: {tensor['tensor']} (max abs {tensor['max_abs']:.3g}, shape {tensor['shape']})"
-             if tensor else "")
+             if tensor else "; no tensor to pair (the model before it is not static)" if bad.branch != "common" else "")
     if not as_json:
         click.echo(f"first bad pass: {bad.spec} ({bad.branch}, pass {bad.index}){where}")
     raise VerificationError(f"pass {bad.spec} changes the outputs (max abs {bad.max_abs:.3g}){where}")
+
+
+def _result(stage) -> str:
+    return "ok" if stage.ok else "changed, restored later" if stage.restored else "CHANGED"

@@ -34,8 +34,7 @@ def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
     static = pop_static(kwargs)
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
-    plan = static.plan()
-    for note in plan.notes:
+    for note in static.lengths().notes:
         progress(f"note: {note}")
     options = CompileOptions(static, tuple(dict.fromkeys(devices)), verify, force=force, dumps=dumps,
                              instrumentation=instrumentation)
@@ -47,7 +46,7 @@ def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
 
 
 def render_summary(out: Path, manifest: dict) -> None:
-    L = manifest["lengths"]
+    L = manifest["plan"]["lengths"]
     click.echo(f"compiled {manifest['source']['path']} -> {out}")
     click.echo(f"lengths: prompt P={L['max_prompt_len']}, response R={L['min_response_len']}, "
                f"chunk={L['prefill_chunk_size'] or 'none'}, capacity={L['capacity']}, "

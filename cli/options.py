@@ -61,9 +61,23 @@ def load_prompts(path: str) -> list[list[int]]:
     return prompts
 
 
+def _load_plugins(ctx, param, values):
+    from kvc.passes.framework.plugins import load_plugin
+
+    for path in values:
+        load_plugin(path)
+
+
+def pass_plugin_option(f):
+    return click.option("--pass-plugin", multiple=True, metavar="FILE.py", expose_value=False, is_eager=True,
+                        callback=_load_plugins,
+                        help="Import a Python file that registers passes (then usable in --passes); repeatable.")(f)
+
+
 def static_options(f):
     """The options that shape the static pipeline, named after NPUW's properties."""
     options = [
+        pass_plugin_option,
         click.option("--max-prompt-len", type=click.IntRange(min=1), default=1024, show_default=True,
                      help="Longest prompt the prefill takes (NPUW_LLM_MAX_PROMPT_LEN); aligned up to 64."),
         click.option("--min-response-len", type=click.IntRange(min=1), default=128, show_default=True,
@@ -93,7 +107,7 @@ def static_options(f):
 
 def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, variants, kv_precision, transpose_v,
                         slice_logits, beam, attention, passes_):
-    from kvc.export.build import StaticOptions
+    from kvc.plan import StaticOptions
 
     return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
                          kv_precision, transpose_v, slice_logits, beam, passes_, attention)
@@ -117,6 +131,8 @@ def ir_print_options(f):
         click.option("--print-ir-diff", is_flag=True, help="Print diffs instead of whole IR."),
         click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="Write NNN-<pass>.txt/.diff and index.json per model branch here."),
+        click.option("--debug-rules", is_flag=True,
+                     help="Print each rewrite rule's matches, and why it did not match at each node it tried."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -131,7 +147,8 @@ def pop_instrumentation(kwargs: dict):
     after = tuple(kwargs.pop("print_ir_after")) + (("*",) if kwargs.pop("print_ir_after_all") else ())
     return Instrumentation(print_before=tuple(kwargs.pop("print_ir_before")), print_after=after,
                            after_change=kwargs.pop("print_ir_after_change"), print_diff=kwargs.pop("print_ir_diff"),
-                           dump_dir=kwargs.pop("dump_dir"), stream=sys.stderr)
+                           dump_dir=kwargs.pop("dump_dir"), stream=sys.stderr,
+                           debug_rules=kwargs.pop("debug_rules"))
 
 
 def json_option(f):

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import click
 
-from kvc.cli.options import json_option
+from kvc.cli.options import json_option, pass_plugin_option
 from kvc.cli.render import echo_json
 
 
 @click.command("passes")
+@pass_plugin_option
 @json_option
 def passes(as_json):
     """List the registered passes with their options (use them in --passes PIPELINE)."""
     from kvc.passes import DEFAULT_PIPELINE, registered
-    from kvc.passes.registry import option_info
+    from kvc.passes.framework.registry import option_info
 
-    data = {name: {"doc": (cls.__doc__ or "").strip().splitlines()[0], "options": option_info(cls)}
+    data = {name: {"doc": (cls.__doc__ or "").strip().splitlines()[0], "options": option_info(cls),
+                   "requires": list(cls.requires), "ensures": list(cls.ensures)}
             for name, cls in registered().items()}
     if as_json:
         echo_json({"default_pipeline": DEFAULT_PIPELINE, "passes": data})
@@ -25,5 +27,7 @@ def passes(as_json):
         for o in info["options"]:
             choices = f" [{'|'.join(map(str, o['choices']))}]" if o["choices"] else ""
             click.echo(f"    {o['name']}={o['default']}{choices}  {o['help']}")
+        if info["requires"] or info["ensures"]:
+            click.echo(f"    requires: {', '.join(info['requires']) or '-'}; ensures: {', '.join(info['ensures']) or '-'}")
     click.echo(f"\ndefault common pipeline: {DEFAULT_PIPELINE}; pipelines read like "
                "'lift-state{beam=keep},fuse-kvcache'")

@@ -54,13 +54,12 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
         return
     if record is not None:
         if prompts is None:
-            from kvc.export.load import plan_from
-            from kvc.export.manifest import read_manifest
+            from kvc.export.manifest import plan_of, read_manifest
             from kvc.verify.compiled import default_prompts
 
             manifest = read_manifest(out)
             vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-            prompts = default_prompts(plan_from(manifest), vocab)
+            prompts = default_prompts(plan_of(manifest).lengths, vocab)
         data = golden_files.record(out, record, prompts, backend=backend_list[0], new_tokens=max_new_tokens,
                                    from_ir=from_ir)
         if as_json:

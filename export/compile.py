@@ -17,19 +17,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from kvc import __version__
 from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
-from kvc.export.build import StaticOptions, build_static
+from kvc.export.build import build_static, common_passes
 from kvc.export.manifest import (FORMAT, MANIFEST, dumps, file_entry, openvino_version, port_table,
                                  source_hashes)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
-from kvc.passes import Instrumentation
+from kvc.passes import Instrumentation, format_pipeline
+from kvc.plan import StaticOptions
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
 DEVICES = ("CPU", "NPU")
@@ -98,61 +99,79 @@ def _publish(work: Path, out: Path) -> None:
 
 
 def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress) -> dict:
+    """Build, save, export and check everything into `work`; the manifest (without `files`
+    until the end)."""
     progress(f"loading {model_path}")
     source = source_hashes(model_path)
-    instr = options.instrumentation
-    if options.dumps:
-        instr = dataclasses.replace(instr, dump_dir=work / "dumps")
-    progress("running passes: " + options.static.common_pipeline() + " then one branch per static model")
-    with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
-        static = build_static(load(model_path, consts_found=bundle.start_weights_file), options.static, instr,
-                              bundle=bundle)
-        progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
-        xmls = bundle.commit()
-    models: dict[str, dict] = {}
-    for name, xml in xmls.items():
-        m = static.models[name]
-        models[name] = {"xml": xml.name, "pipeline": static.pipelines[name], "inputs": port_table(m.inputs),
-                        "outputs": port_table(m.outputs), "blobs": {}}
+    static, xmls = _build_and_save(model_path, work, options, progress)
+    models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
+                     "inputs": port_table(static.models[name].inputs),
+                     "outputs": port_table(static.models[name].outputs), "blobs": {}}
+              for name, xml in xmls.items()}
     for device in options.devices:
-        config = device_config(device, for_export=True)
-        for name, xml in xmls.items():
-            progress(f"compiling {name} for {device}")
-            model = load(xml, weights=work / WEIGHTS_FILE)
-            if device == "CPU":
-                embed_small_constants(model)
-            try:
-                compiled = core().compile_model(model, device, config)
-                blob = compiled.export_model().getvalue()
-            except RuntimeError as exc:
-                raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
-            path = work / blob_name(name, device)
-            write_bytes_atomic(path, blob)
-            models[name]["blobs"][device] = {"file": path.name, "bytes": len(blob), "compile_config": config,
-                                             "import_config": _import_config(device, config)}
-    source_dir = resolve(model_path).root
-    tokenizer = []
-    for fname in TOKENIZER_FILES:
-        if (source_dir / fname).is_file():
-            shutil.copyfile(source_dir / fname, work / fname)
-            tokenizer.append(fname)
+        for name, blob in _export_blobs(work, xmls, device, progress).items():
+            models[name]["blobs"][device] = blob
     manifest = {
         "format": FORMAT,
         "kvc_version": __version__,
         "openvino_version": openvino_version(),
         "source": {"path": str(model_path.absolute()), "sha256": source},
-        "options": {**asdict(options.static), "devices": list(options.devices)},
-        "lengths": static.plan.to_dict(),
-        "kv": [k.to_dict() for k in static.kv],
+        "plan": static.plan.to_dict(),
+        "devices": list(options.devices),
         "weights": WEIGHTS_FILE,
         "models": models,
-        "tokenizer": tokenizer,
+        "tokenizer": _copy_tokenizer(resolve(model_path).root, work),
     }
     manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, options, progress)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
     manifest["files"] = {p.relative_to(work).as_posix(): file_entry(p) for p in files}
     return manifest
+
+
+def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progress):
+    """The static models, built and written as `.xml` files over one weights.bin."""
+    instr = options.instrumentation
+    if options.dumps:
+        instr = dataclasses.replace(instr, dump_dir=work / "dumps")
+    progress("running passes: " + format_pipeline(common_passes(options.static)) + ", then one branch per static model")
+    with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
+        static = build_static(load(model_path, consts_found=bundle.start_weights_file), options.static, instr,
+                              bundle=bundle)
+        progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
+        xmls = bundle.commit()
+    return static, xmls
+
+
+def _export_blobs(work: Path, xmls: dict[str, Path], device: str, progress) -> dict[str, dict]:
+    """Compile each saved model for `device` and write its blob; the manifest entry of each."""
+    config = device_config(device, for_export=True)
+    blobs = {}
+    for name, xml in xmls.items():
+        progress(f"compiling {name} for {device}")
+        model = load(xml, weights=work / WEIGHTS_FILE)
+        if device == "CPU":
+            embed_small_constants(model)
+        try:
+            compiled = core().compile_model(model, device, config)
+            blob = compiled.export_model().getvalue()
+        except RuntimeError as exc:
+            raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
+        path = work / blob_name(name, device)
+        write_bytes_atomic(path, blob)
+        blobs[name] = {"file": path.name, "bytes": len(blob), "compile_config": config,
+                       "import_config": _import_config(device, config)}
+    return blobs
+
+
+def _copy_tokenizer(source_dir: Path, work: Path) -> list[str]:
+    """The tokenizer files of an optimum-intel directory, copied beside the models."""
+    copied = []
+    for fname in TOKENIZER_FILES:
+        if (source_dir / fname).is_file():
+            shutil.copyfile(source_dir / fname, work / fname)
+            copied.append(fname)
+    return copied
 
 
 def _check(model_path: Path, work: Path, manifest: dict, static, options: CompileOptions, progress):
@@ -162,7 +181,7 @@ def _check(model_path: Path, work: Path, manifest: dict, static, options: Compil
     from kvc.verify.compiled import check_blobs, ir_generations, probe_cases, verify_static
 
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    cases = probe_cases(static.plan, vocab, options.verify_tokens)
+    cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
     verification = ir_gens = None
     if options.verify:
         progress("verifying the static pipeline against the source model (numpy)")

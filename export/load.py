@@ -13,21 +13,14 @@ from pathlib import Path
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
-from kvc.export.manifest import check_blob_version, check_files, read_manifest
+from kvc.export.manifest import check_blob_version, check_files, plan_of, read_manifest
 from kvc.ir.reader import core, load
-from kvc.passes.static_shape import LengthPlan
 from kvc.runtime.session import NumpySession, OpenVINOSession, Session
-from kvc.runtime.static_pipeline import KVSpec, StaticPipeline
+from kvc.runtime.static_pipeline import StaticPipeline
 
 BACKENDS = ("numpy", "openvino", "npu")
 _DEVICE = {"openvino": "CPU", "npu": "NPU"}
 BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
-
-
-def plan_from(manifest: dict) -> LengthPlan:
-    L = manifest["lengths"]
-    return LengthPlan(L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"],
-                      tuple(L["generate_sizes"]), L["tokens_per_step"], tuple(L["adjustments"]))
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool) -> Session:
@@ -77,10 +70,9 @@ def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: boo
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote."""
-    plan = plan_from(manifest)
     generate = {}
     for name in manifest["models"]:
         if name.startswith("generate-"):
             generate[int(name.split("-", 1)[1])] = _session(directory, manifest, name, backend, from_ir)
     prefill = _session(directory, manifest, "prefill", backend, from_ir)
-    return StaticPipeline(prefill, generate, plan, [KVSpec.from_dict(k) for k in manifest["kv"]])
+    return StaticPipeline(prefill, generate, plan_of(manifest))

@@ -1,7 +1,7 @@
 """manifest.json: what a compiled directory holds, written last, and checked when read.
 
-It records the kvc and OpenVINO versions, the options and the effective lengths, the KV
-layout, every model's inputs and outputs (names, element types, shapes) and files, the
+It records the kvc and OpenVINO versions, the plan (`kvc.plan.StaticPlan`: options, effective
+lengths and KV layout, in its own versioned section), the devices, every model's inputs and outputs (names, element types, shapes) and files, the
 source (its absolute path and the sha256 of its files), the size and sha256 of every output
 file, and the verification summary. Nothing in it depends on time or on the machine, so
 compiling the same input twice in the same place gives the same file.
@@ -20,11 +20,13 @@ from pathlib import Path
 
 import openvino as ov
 
-from kvc.errors import DeviceError, InvalidModelError
+from kvc.errors import DeviceError, InvalidModelError, UsageError
+from kvc.plan import StaticPlan
 
 MANIFEST = "manifest.json"
 # 2: files hold {"bytes", "sha256"}; the source path is absolute.
-FORMAT = 2
+# 3: options, lengths and kv are the "plan" section (kvc.plan.StaticPlan.to_dict); "devices".
+FORMAT = 3
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -49,7 +51,6 @@ def source_hashes(path: Path) -> dict[str, str]:
 def recorded_source(manifest: dict, directory: str | Path) -> Path:
     """The source model a compiled directory was made from, checked unchanged: missing is a
     UsageError (give --against), changed is an InvalidModelError naming the file."""
-    from kvc.errors import UsageError
 
     path = Path(manifest["source"]["path"])
     if not path.exists():
@@ -105,9 +106,14 @@ def _check_structure(manifest: dict, path: Path) -> None:
     def bad(reason, expected=None, found=None):
         return InvalidModelError("bad-manifest", str(path), reason, expected=expected, found=found)
 
-    for key in ("files", "models", "weights", "lengths", "kv", "source", "openvino_version"):
+    for key in ("files", "models", "weights", "plan", "devices", "source", "openvino_version"):
         if key not in manifest:
             raise bad(f"missing key {key!r}")
+    try:
+        StaticPlan.from_dict(manifest["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
+        raise bad(f"malformed plan: {exc.__class__.__name__}: {exc}", expected="kvc.plan.StaticPlan.to_dict()") \
+            from None
     files = manifest["files"]
     if not isinstance(files, dict) or not isinstance(manifest["models"], dict) or "prefill" not in manifest["models"]:
         raise bad("malformed files or models", expected="objects, with a prefill model")
@@ -129,6 +135,11 @@ def _check_structure(manifest: dict, path: Path) -> None:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "in files")
+
+
+def plan_of(manifest: dict) -> StaticPlan:
+    """The plan of a manifest that `read_manifest` checked."""
+    return StaticPlan.from_dict(manifest["plan"])
 
 
 def check_files(directory: str | Path, manifest: dict, *, sha256: bool = False) -> None:

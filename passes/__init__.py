@@ -1,6 +1,6 @@
 """Graph transformations: one module per pass, a registry, and the PassManager.
 
-Passes are frozen dataclasses whose fields are their options (`kvc.passes.base`); a pipeline
+Passes are frozen dataclasses whose fields are their options (`kvc.passes.framework.base`); a pipeline
 can be written as text (`parse_pipeline("lift-state{beam=keep},fuse-kvcache")`).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 import importlib
 
-from kvc.passes.base import Pass, PassFailure, PassResult
-from kvc.passes.manager import Instrumentation, PassManager, PipelineRun
-from kvc.passes.registry import format_pipeline, get_pass, parse_pipeline, registered
+from kvc.passes.framework.base import Pass, PassFailure, PassResult
+from kvc.passes.framework.manager import Instrumentation, PassManager, PipelineRun
+from kvc.passes.framework.registry import format_pipeline, get_pass, parse_pipeline, registered
 
 PASS_MODULES = ("lift_state", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io", "mask_positions", "unmask_pad_rows",
                  "group_attention")
@@ -22,9 +22,12 @@ DEFAULT_PIPELINE = "lift-state"
 
 @functools.cache
 def load_all() -> None:
-    """Import every pass module so each registers itself."""
+    """Import every pass module so each registers itself, then the installed plugins."""
+    from kvc.passes.framework.plugins import load_entry_points
+
     for module in PASS_MODULES:
         importlib.import_module(f"kvc.passes.{module}")
+    load_entry_points()
 
 
 def default_pipeline() -> list[Pass]:

@@ -11,7 +11,8 @@ and on the lifted form
 becomes ``KVCache(past, new[, beam_idx])``. It matches only when the rewrite keeps meaning:
 the ReadValue and the Assign name the same variable, the element type read equals the type
 written, and the values between the state and the Concat (the reordered past) feed nothing
-else. A non-match is logged at DEBUG level with the reason.
+else. The rule is `fuse-kvcache/cache-update`; `--debug-rules` says why it did not match at a
+store.
 
 ``beam=gather`` keeps the physical reorder inside the op. ``beam=indirect`` keeps the cache
 where it was written and adds one beam table ``[B, S]`` for the whole model (a variable
@@ -32,9 +33,10 @@ import openvino.opset13 as ops
 from openvino.op.util import Variable, VariableInfo
 
 from kvc.ir.custom_ops import KVCache
-from kvc.passes.base import Pass, PassResult, describe_node, option
+from kvc.passes.framework.base import Pass, PassResult, describe_node, option
 from kvc.passes.lift_state import find_beam_idx, set_name
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.registry import register_pass
+from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,6 @@ class Match:
     gather: ov.Node | None
     store: ov.Node  # the Assign or Result that keeps the updated cache
     store_input: ov.Input  # where the store (or its Convert) reads the Concat
-
-
-class NoMatch(Exception):
-    """Why a candidate is not the pattern (logged, never raised to the user)."""
 
 
 def _single_user(output: ov.Output, expected: ov.Node, what: str) -> None:
@@ -120,12 +118,9 @@ class FuseKVCache(Pass):
     def run(self, model: ov.Model) -> PassResult:
         beam_idx = find_beam_idx(model)
         stores = [s for s in model.get_sinks() if s.get_type_name() == "Assign"] or list(model.get_results())
-        matches = []
-        for store in stores:
-            try:
-                matches.append(match_store(store, beam_idx))
-            except NoMatch as why:
-                log.debug("fuse-kvcache: %s not fused: %s", describe_node(store), why)
+        rule = Rule("fuse-kvcache/cache-update", anchors=("Assign", "Result"),
+                    match=lambda store: match_store(store, beam_idx))
+        matches = rule.matches(stores)
         if not matches:
             return PassResult(model, False)
         if self.beam == "indirect":

@@ -28,9 +28,10 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.base import Pass, PassResult, describe_node, name_new
+from kvc.passes.framework.base import Pass, PassResult, describe_node, name_new
 from kvc.passes.fuse_kvcache import take_over
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.registry import register_pass
+from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ def grouped_source(out: ov.Output, heads: int) -> tuple[ov.Output, int]:
     return kv, heads // kv_heads
 
 
+def _plain_sdpa(node: ov.Node) -> ov.Node:
+    if node.get_input_size() > 5:
+        raise NoMatch("it has an attention sink (input 5); kept as ScaledDotProductAttention")
+    return node
+
+
 def _i64(values) -> ov.Output:
     return ov.op.Constant(np.array(values, np.int64)).output(0)  # 3x cheaper than ops.constant
 
@@ -69,53 +76,56 @@ class GroupAttention(Pass):
 
     name: ClassVar[str] = "group-attention"
 
+    requires: ClassVar[tuple[str, ...]] = ("static",)
+
     def run(self, model: ov.Model) -> PassResult:
-        changed = reinfer = False
-        for sdpa in [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"]:
-            if sdpa.get_input_size() > 5:
-                log.debug("group-attention: %s has an attention sink; kept", describe_node(sdpa))
-                continue
-            q = sdpa.input_value(0)
-            qs = q.get_partial_shape()
-            if not qs.is_static or qs.rank.get_length() != 4:
-                raise self.fail("run static-shape first: attention inputs must be static and 4-D", sdpa)
-            B, H, L, D = (d.get_length() for d in qs)
-            k, rep_k = grouped_source(sdpa.input_value(1), H)
-            v, rep_v = grouped_source(sdpa.input_value(2), H)
-            if rep_k != rep_v:
-                k, v, rep_k = sdpa.input_value(1), sdpa.input_value(2), 1
-            rep = rep_k
-            kv_heads = H // rep
-            S = k.get_partial_shape()[2].get_length()
-            q5 = ops.reshape(q, _i64([B, kv_heads, rep, L, D]), False)
-            k5, v5 = ops.unsqueeze(k, _i64([2])), ops.unsqueeze(v, _i64([2]))
-            scores = ops.matmul(q5, k5, False, True)
-            if sdpa.get_input_size() > 4:
-                scale = ops.convert_like(sdpa.input_value(4), scores).output(0)
-            else:
-                scale = ops.constant(np.array(1.0 / np.sqrt(D), q.get_element_type().to_dtype())).output(0)
-            scores = ops.multiply(scores, scale)
-            bias = self._bias(sdpa, B, H, kv_heads, rep, L, S)
-            if bias is not None:
-                if bias.get_element_type() == ov.Type.boolean:
-                    neg = ops.convert_like(ops.constant(np.float32(-np.inf)), scores)
-                    scores = ops.select(bias, scores, neg)
-                else:
-                    scores = ops.add(scores, ops.convert_like(bias, scores))
-            weights = ops.softmax(scores, -1)
-            out = ops.reshape(ops.matmul(weights, v5, False, False), _i64([B, H, L, D]), False)
-            out.set_friendly_name(sdpa.get_friendly_name())
-            name_new(out, sdpa.get_friendly_name(), {v.get_node() for v in (*sdpa.input_values(), k, v)})
-            # Consumers need inference again only if what they see changed (never, so far).
-            reinfer |= (out.get_output_partial_shape(0) != sdpa.get_output_partial_shape(0)
-                        or out.get_output_element_type(0) != sdpa.get_output_element_type(0))
-            take_over(sdpa.output(0), out.output(0))
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("group-attention: %s over %d KV heads (x%d)", describe_node(sdpa), kv_heads, rep)
-            changed = True
-        if reinfer:
+        reinfer = []  # whether each rewrite changed what consumers see (never, so far)
+        rule = Rule("group-attention/sdpa", anchors=("ScaledDotProductAttention",), match=_plain_sdpa,
+                    rewrite=lambda sdpa: reinfer.append(self._rewrite(sdpa)))
+        rewritten = rule.apply(model.get_ordered_ops())
+        if any(reinfer):
             model.validate_nodes_and_infer_types()
-        return PassResult(model, changed)
+        return PassResult(model, rewritten > 0)
+
+    def _rewrite(self, sdpa: ov.Node) -> bool:
+        """Replace one SDPA; True when its consumers must infer their types again."""
+        q = sdpa.input_value(0)
+        qs = q.get_partial_shape()
+        if not qs.is_static or qs.rank.get_length() != 4:
+            raise self.fail("attention inputs must be static and 4-D", sdpa)
+        B, H, L, D = (d.get_length() for d in qs)
+        k, rep_k = grouped_source(sdpa.input_value(1), H)
+        v, rep_v = grouped_source(sdpa.input_value(2), H)
+        if rep_k != rep_v:
+            k, v, rep_k = sdpa.input_value(1), sdpa.input_value(2), 1
+        rep = rep_k
+        kv_heads = H // rep
+        S = k.get_partial_shape()[2].get_length()
+        q5 = ops.reshape(q, _i64([B, kv_heads, rep, L, D]), False)
+        k5, v5 = ops.unsqueeze(k, _i64([2])), ops.unsqueeze(v, _i64([2]))
+        scores = ops.matmul(q5, k5, False, True)
+        if sdpa.get_input_size() > 4:
+            scale = ops.convert_like(sdpa.input_value(4), scores).output(0)
+        else:
+            scale = ops.constant(np.array(1.0 / np.sqrt(D), q.get_element_type().to_dtype())).output(0)
+        scores = ops.multiply(scores, scale)
+        bias = self._bias(sdpa, B, H, kv_heads, rep, L, S)
+        if bias is not None:
+            if bias.get_element_type() == ov.Type.boolean:
+                neg = ops.convert_like(ops.constant(np.float32(-np.inf)), scores)
+                scores = ops.select(bias, scores, neg)
+            else:
+                scores = ops.add(scores, ops.convert_like(bias, scores))
+        weights = ops.softmax(scores, -1)
+        out = ops.reshape(ops.matmul(weights, v5, False, False), _i64([B, H, L, D]), False)
+        out.set_friendly_name(sdpa.get_friendly_name())
+        name_new(out, sdpa.get_friendly_name(), {v.get_node() for v in (*sdpa.input_values(), k, v)})
+        stale = (out.get_output_partial_shape(0) != sdpa.get_output_partial_shape(0)
+                 or out.get_output_element_type(0) != sdpa.get_output_element_type(0))
+        take_over(sdpa.output(0), out.output(0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("group-attention: %s over %d KV heads (x%d)", describe_node(sdpa), kv_heads, rep)
+        return stale
 
     def _bias(self, sdpa: ov.Node, B: int, H: int, kv_heads: int, rep: int, L: int, S: int) -> ov.Output | None:
         """The mask (or the causal triangle) shaped to broadcast against [B, H_kv, rep, L, S]."""

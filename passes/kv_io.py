@@ -22,10 +22,10 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from kvc.ir.kv_discovery import KVTensor, kv_layout
-from kvc.passes.base import Pass, PassResult, option, reinfer
+from kvc.passes.framework.base import Pass, PassResult, option, reinfer
 from kvc.passes.fuse_kvcache import take_over
 from kvc.passes.lift_state import set_name
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.registry import register_pass
 
 
 @dataclass
@@ -68,6 +68,8 @@ class KVIO(Pass):
     """Shape the KV inputs/outputs of a static model the way the NPU plugin expects them."""
 
     name: ClassVar[str] = "kv-io"
+    requires: ClassVar[tuple[str, ...]] = ("stateless", "static")
+    ensures: ClassVar[tuple[str, ...]] = ("static",)
     kv_type: str = option("f32", choices=("f32", "f16"), help="element type of KV inputs and outputs")
     transpose_v: bool = option(False, help="store values as [B, H, D, S] (sequence last)")
     slice_logits: bool = option(False, help="prefill: return only the last position's logits")

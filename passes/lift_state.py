@@ -29,8 +29,9 @@ from typing import ClassVar
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.base import Pass, PassResult, option
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.base import Pass, PassResult, describe_node, option
+from kvc.passes.framework.registry import register_pass
+from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,22 @@ def find_beam_idx(model: ov.Model) -> ov.Node | None:
     return None
 
 
+def _beam_gather(beam_idx: ov.Node):
+    """The rule's match: a Gather that reorders a state by beam_idx."""
+    def match(node: ov.Node) -> ov.Node:
+        if node.get_input_size() < 2 or node.input_value(1).get_node() != beam_idx:
+            raise NoMatch(f"its indices come from {describe_node(node.input_value(1).get_node())}, not beam_idx")
+        return node
+    return match
+
+
 @register_pass
 @dataclass(frozen=True)
 class LiftState(Pass):
     """Turn ReadValue/Assign pairs into inputs/outputs (stateful to stateless)."""
 
     name: ClassVar[str] = "lift-state"
+    ensures: ClassVar[tuple[str, ...]] = ("stateless",)
     beam: str = option("drop", choices=("drop", "keep"),
                        help="drop: remove beam_idx and its Gathers (OpenVINO); keep: keep them (npu_compiler)")
 
@@ -81,6 +92,28 @@ class LiftState(Pass):
         if not sinks and not model.get_variables():
             log.debug("lift-state: no variables, nothing to do")
             return PassResult(model, False)
+        reads, assigns, sink_index = self._pair_variables(model, sinks)
+        beam_idx = find_beam_idx(model)
+        beam_gather = None
+        if self.beam == "drop" and beam_idx is not None:
+            beam_gather = Rule("lift-state/beam-gather", anchors=("Gather",), match=_beam_gather(beam_idx))
+        names = sorted((lifted_name(v) for v in assigns),
+                       key=lambda n: (n.index < 0, n.index if n.index >= 0 else sink_index[n.variable_id]))
+        new_params, new_results = [], []
+        for n in names:
+            param, result = self._lift(model, n, reads[n.variable_id], assigns[n.variable_id], beam_gather)
+            new_params.append(param)
+            new_results.append(result)
+        if beam_gather is not None:
+            self._drop_beam_idx(model, beam_idx)
+        model.add_parameters(new_params)
+        model.add_results(new_results)
+        model.validate_nodes_and_infer_types()
+        return PassResult(model, True)
+
+    def _pair_variables(self, model: ov.Model, sinks: list[ov.Node]):
+        """Each variable's one ReadValue and one Assign (anything else is refused), and the
+        Assigns' order among the sinks."""
         assigns: dict[str, ov.Node] = {}
         sink_index: dict[str, int] = {}
         for i, s in enumerate(sinks):
@@ -104,49 +137,35 @@ class LiftState(Pass):
         for var_id, read in reads.items():
             if var_id not in assigns:
                 raise self.fail(f"variable {var_id} is read but never assigned", read)
+        return reads, assigns, sink_index
 
-        beam_idx = find_beam_idx(model)
-        names = sorted((lifted_name(v) for v in assigns),
-                       key=lambda n: (n.index < 0, n.index if n.index >= 0 else sink_index[n.variable_id]))
-        new_params, new_results = [], []
-        for n in names:
-            read, assign = reads[n.variable_id], assigns[n.variable_id]
-            source = read.output(0)
-            if self.beam == "drop" and beam_idx is not None:
-                for target in list(source.get_target_inputs()):
-                    gather = target.get_node()
-                    if _is_beam_gather(gather, beam_idx):
-                        # The new input replaces the reordered state, as OpenVINO's pass does.
-                        for consumer in list(gather.output(0).get_target_inputs()):
-                            consumer.replace_source_output(source)
-            param = ops.parameter(read.get_output_partial_shape(0), read.get_output_element_type(0))
-            set_name(param.output(0), n.input_name)
-            for consumer in list(source.get_target_inputs()):
-                consumer.replace_source_output(param.output(0))
-            result = ops.result(assign.input_value(0))
-            set_name(result.output(0), n.output_name)
-            model.remove_sink(assign)
-            model.remove_variable(model.get_variable_by_id(n.variable_id))
-            new_params.append(param)
-            new_results.append(result)
-            log.debug("lift-state: %s -> input %s, output %s", n.variable_id, n.input_name, n.output_name)
-        if self.beam == "drop" and beam_idx is not None:
-            users = [t.get_node() for t in beam_idx.output(0).get_target_inputs() if _is_live(t.get_node())]
-            if users:
-                raise self.fail("beam_idx is used by more than the state-reordering Gathers; use beam=keep",
-                                users[0])
-            model.remove_parameter(beam_idx)
-        model.add_parameters(new_params)
-        model.add_results(new_results)
-        model.validate_nodes_and_infer_types()
-        return PassResult(model, True)
+    @staticmethod
+    def _lift(model: ov.Model, n: LiftedName, read: ov.Node, assign: ov.Node, beam_gather: Rule | None):
+        """Replace one variable's ReadValue by an input and its Assign by an output."""
+        source = read.output(0)
+        if beam_gather is not None:
+            for gather in beam_gather.matches([t.get_node() for t in source.get_target_inputs()]):
+                # The new input replaces the reordered state, as OpenVINO's pass does.
+                for consumer in list(gather.output(0).get_target_inputs()):
+                    consumer.replace_source_output(source)
+        param = ops.parameter(read.get_output_partial_shape(0), read.get_output_element_type(0))
+        set_name(param.output(0), n.input_name)
+        for consumer in list(source.get_target_inputs()):
+            consumer.replace_source_output(param.output(0))
+        result = ops.result(assign.input_value(0))
+        set_name(result.output(0), n.output_name)
+        model.remove_sink(assign)
+        model.remove_variable(model.get_variable_by_id(n.variable_id))
+        log.debug("lift-state: %s -> input %s, output %s", n.variable_id, n.input_name, n.output_name)
+        return param, result
+
+    def _drop_beam_idx(self, model: ov.Model, beam_idx: ov.Node) -> None:
+        users = [t.get_node() for t in beam_idx.output(0).get_target_inputs() if _is_live(t.get_node())]
+        if users:
+            raise self.fail("beam_idx is used by more than the state-reordering Gathers; use beam=keep", users[0])
+        model.remove_parameter(beam_idx)
 
 
 def _is_live(node: ov.Node) -> bool:
     """A node something still consumes (the bypassed Gathers are dead)."""
     return any(o.get_target_inputs() for o in node.outputs())
-
-
-def _is_beam_gather(node: ov.Node, beam_idx: ov.Node) -> bool:
-    return (node.get_type_name() == "Gather" and node.get_input_size() >= 2
-            and node.input_value(1).get_node() == beam_idx)

@@ -19,9 +19,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.base import Pass, PassResult, describe_node
+from kvc.passes.framework.base import Pass, PassResult, describe_node
 from kvc.passes.fuse_kvcache import fresh_rows, take_over
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.registry import register_pass
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class LowerKVCache(Pass):
     """Replace every KVCache op with Gather/Concat from the standard opsets."""
 
     name: ClassVar[str] = "lower-kvcache"
+    ensures: ClassVar[tuple[str, ...]] = ("standard-ops",)
 
     def run(self, model: ov.Model) -> PassResult:
         found = [n for n in model.get_ordered_ops() if n.get_type_name() == "KVCache"]

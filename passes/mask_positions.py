@@ -14,7 +14,8 @@ they stand for:
     q_idx  <- position_ids[0]                                (this step's positions)
     kv_idx <- concat(arange(past_len), position_ids[0])      (left-aligned past, then this step)
 
-Vectors are found from the mask comparisons (Greater/Less[Equal]) up through Unsqueeze,
+Vectors are found from the mask comparisons (Greater/Less[Equal]; the rule
+`mask-positions/index-compare`) up through Unsqueeze,
 Reshape, Convert and constant offsets, and replaced on those comparison paths only: the
 padding lookup ``attention_mask[kv_idx]`` indexes slots and keeps the slot vector. The pass
 applies only when some comparison offsets an index by a constant (a window), and leaves
@@ -31,8 +32,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.base import Pass, PassResult, describe_node
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.base import Pass, PassResult, describe_node
+from kvc.passes.framework.registry import register_pass
+from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
@@ -92,31 +94,19 @@ class MaskPositions(Pass):
 
     name: ClassVar[str] = "mask-positions"
 
+    requires: ClassVar[tuple[str, ...]] = ("static",)
+
     def run(self, model: ov.Model) -> PassResult:
         ports = {p.get_any_name(): p for p in model.inputs}
         if "position_ids" not in ports or "input_ids" not in ports and "inputs_embeds" not in ports:
             return PassResult(model, False)
         pos_port = ports["position_ids"]
-        if not pos_port.get_partial_shape().is_static:
-            raise self.fail("run static-shape first: position_ids is still dynamic", pos_port.get_node())
         steps = pos_port.get_shape()[-1]
         mask_len = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else steps
-        rewrites, windowed = [], False
-        for node in model.get_ordered_ops():
-            if node.get_type_name() not in _COMPARE:
-                continue
-            sides = [_index_source(node.input_value(i)) for i in (0, 1)]
-            lengths = [_length(src) for src, _, _ in sides]
-            if None in lengths or not all(src.get_element_type().is_integral() for src, _, _ in sides):
-                continue
-            if sorted(lengths) != sorted([steps, mask_len]):
-                continue
-            # The q vector has this step's length, the kv vector the mask's (equal in a
-            # prefill, where both become the positions anyway).
-            q_side = 0 if lengths[0] == steps and (lengths[0] != lengths[1] or sides[0][2]) else 1
-            windowed |= sides[0][2] or sides[1][2]
-            rewrites.append((node, q_side, sides))
-        if not windowed:
+        rule = Rule("mask-positions/index-compare", anchors=tuple(sorted(_COMPARE)),
+                    match=lambda node: _index_compare(node, steps, mask_len))
+        found = rule.matches(model.get_ordered_ops())
+        if not any(offset for *_, offset in found):
             log.debug("mask-positions: no sliding-window comparison found; unchanged")
             return PassResult(model, False)
         positions = ops.reshape(pos_port, ops.constant(np.array([steps], np.int64)), False)
@@ -125,7 +115,7 @@ class MaskPositions(Pass):
                          ops.constant(np.int64(1)), output_type="i64")
         kv_positions = ops.concat([past, positions], 0)
         kv_positions.set_friendly_name("mask_positions/kv")
-        for node, q_side, sides in rewrites:
+        for node, q_side, sides, _ in found:
             for i, (src, path, _) in enumerate(sides):
                 new_src = positions if i == q_side else kv_positions
                 new_src = ops.convert(new_src, src.get_element_type()).output(0)
@@ -133,3 +123,20 @@ class MaskPositions(Pass):
             log.debug("mask-positions: %s now compares positions", describe_node(node))
         model.validate_nodes_and_infer_types()
         return PassResult(model, True)
+
+
+def _index_compare(node: ov.Node, steps: int, mask_len: int):
+    """A comparison of the q index vector (this step's length) with the kv one (the mask's):
+    (node, which side is q, both sides as (vector, path, offset crossed), whether any side
+    is offset by a constant, i.e. a window)."""
+    sides = [_index_source(node.input_value(i)) for i in (0, 1)]
+    lengths = [_length(src) for src, _, _ in sides]
+    if None in lengths or not all(src.get_element_type().is_integral() for src, _, _ in sides):
+        raise NoMatch("a side is not a static 1-D integer index vector (through Unsqueeze, Reshape, "
+                      "Squeeze, Convert and constant offsets)")
+    if sorted(lengths) != sorted([steps, mask_len]):
+        raise NoMatch(f"index vectors of lengths {lengths}, not this step's {steps} and the mask's {mask_len}")
+    # The q vector has this step's length, the kv vector the mask's (equal in a prefill,
+    # where both become the positions anyway).
+    q_side = 0 if lengths[0] == steps and (lengths[0] != lengths[1] or sides[0][2]) else 1
+    return node, q_side, sides, sides[0][2] or sides[1][2]

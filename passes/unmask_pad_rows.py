@@ -24,10 +24,36 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.base import Pass, PassResult, describe_node
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.base import Pass, PassResult, describe_node
+from kvc.passes.framework.registry import register_pass
+from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
+
+
+def _bool_mask_sdpa(node: ov.Node) -> ov.Node:
+    if node.get_input_size() < 4:
+        raise NoMatch("no attention mask input")
+    if node.get_input_element_type(3) != ov.Type.boolean:
+        raise NoMatch(f"the mask is {node.get_input_element_type(3).get_type_name()}, not boolean "
+                      f"(a float mask never makes a NaN row)")
+    return node
+
+
+def _own_slot(sdpa: ov.Node) -> None:
+    """mask OR self: query i of this step attends to its own slot S - L + i."""
+    q, k = sdpa.get_input_partial_shape(0), sdpa.get_input_partial_shape(1)
+    L, S = q[q.rank.get_length() - 2].get_length(), k[k.rank.get_length() - 2].get_length()
+    own = np.zeros((L, S), bool)
+    own[np.arange(L), np.arange(S - L, S)] = True
+    mask = ops.logical_or(sdpa.input_value(3), ops.constant(own))
+    mask.set_friendly_name(f"{sdpa.get_friendly_name()}/own_slot")
+    sdpa.input(3).replace_source_output(mask.output(0))
+    log.debug("unmask-pad-rows: %s", describe_node(sdpa))
+
+
+OWN_SLOT = Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",), match=_bool_mask_sdpa,
+                rewrite=_own_slot)
 
 
 @register_pass
@@ -36,25 +62,10 @@ class UnmaskPadRows(Pass):
     """Give fully masked (pad) query rows their own slot, avoiding NaN under left padding."""
 
     name: ClassVar[str] = "unmask-pad-rows"
+    requires: ClassVar[tuple[str, ...]] = ("static",)
 
     def run(self, model: ov.Model) -> PassResult:
-        changed = False
-        for node in model.get_ordered_ops():
-            if node.get_type_name() != "ScaledDotProductAttention" or node.get_input_size() < 4:
-                continue
-            if node.get_input_element_type(3) != ov.Type.boolean:
-                continue
-            q, k = node.get_input_partial_shape(0), node.get_input_partial_shape(1)
-            if not (q.is_static and k.is_static):
-                raise self.fail("run static-shape first: attention shapes are still dynamic", node)
-            L, S = q[q.rank.get_length() - 2].get_length(), k[k.rank.get_length() - 2].get_length()
-            own = np.zeros((L, S), bool)
-            own[np.arange(L), np.arange(S - L, S)] = True
-            mask = ops.logical_or(node.input_value(3), ops.constant(own))
-            mask.set_friendly_name(f"{node.get_friendly_name()}/own_slot")
-            node.input(3).replace_source_output(mask.output(0))
-            log.debug("unmask-pad-rows: %s", describe_node(node))
-            changed = True
-        if changed:
+        rewritten = OWN_SLOT.apply(model.get_ordered_ops())
+        if rewritten:
             model.validate_nodes_and_infer_types()
-        return PassResult(model, changed)
+        return PassResult(model, rewritten > 0)

@@ -167,17 +167,9 @@ class Interpreter:
                             if (node, port) in naming._values}
         self._n_slots = len(slot)
         self._consts = consts
-        keep = {s for _, s in self._results} | set(consts)
-        last_use: dict[int, int] = {}
-        for idx, (_, ins, _, _) in enumerate(steps):
-            for s in ins:
-                last_use[s] = idx
-        frees: list[list[int]] = [[] for _ in steps]
-        for s, idx in last_use.items():
-            if s not in keep:
-                frees[idx].append(s)
+        frees = _frees(steps, keep={s for _, s in self._results} | set(consts))
         self._steps = [
-            _Step(k, ins, outs, tuple(frees[i]), n, f"{n.get_type_name()} {n.get_friendly_name()}")
+            _Step(k, ins, outs, frees[i], n, f"{n.get_type_name()} {n.get_friendly_name()}")
             for i, (k, ins, outs, n) in enumerate(steps)
         ]
 
@@ -273,6 +265,20 @@ class Interpreter:
 
     def reset(self) -> None:
         self.state.clear()
+
+
+def _frees(steps: list, keep: set[int]) -> list[tuple[int, ...]]:
+    """For each step, the slots it reads for the last time (freed right after it), except
+    `keep` (results and constants): what bounds the interpreter's memory to the live values."""
+    last_use: dict[int, int] = {}
+    for idx, (_, ins, _, _) in enumerate(steps):
+        for s in ins:
+            last_use[s] = idx
+    frees: list[list[int]] = [[] for _ in steps]
+    for s, idx in last_use.items():
+        if s not in keep:
+            frees[idx].append(s)
+    return [tuple(f) for f in frees]
 
 
 def bind_input(names: tuple[str, ...], port: ov.Output, inputs: Mapping[str, np.ndarray]) -> np.ndarray:

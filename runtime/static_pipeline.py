@@ -24,31 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvc.errors import UsageError
-from kvc.passes.static_shape import LengthPlan
+from kvc.plan import KVSpec, LengthPlan, StaticPlan
 from kvc.runtime.generate import Generation
 from kvc.runtime.ops.registry import to_dtype
 from kvc.runtime.session import Session
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """One cache tensor as the static models store it (after kv-io)."""
-
-    input: str  # past_key_values.N.key
-    output: str  # present.N.key
-    layer: int
-    kind: str
-    seq_axis: int
-    element_type: str
-    shape: tuple[int, ...]  # with the sequence axis at full capacity (largest variant's past)
-
-    def to_dict(self) -> dict:
-        return {"input": self.input, "output": self.output, "layer": self.layer, "kind": self.kind,
-                "seq_axis": self.seq_axis, "element_type": self.element_type, "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "KVSpec":
-        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
 
 
 class PromptTooLongError(UsageError):
@@ -67,28 +46,29 @@ class StaticGeneration(Generation):
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
 
 
-def max_new_tokens(plan: LengthPlan, prompt_len: int) -> int:
+def max_new_tokens(lengths: LengthPlan, prompt_len: int) -> int:
     """How many tokens can follow a prompt of `prompt_len` tokens."""
-    return plan.capacity - prompt_len + 1
+    return lengths.capacity - prompt_len + 1
 
 
 class StaticPipeline:
     """Drives one prefill session and generate sessions by size over one shared KV buffer."""
 
-    def __init__(self, prefill: Session, generate: dict[int, Session], plan: LengthPlan, kv: list[KVSpec],
-                 pad_token: int = 0):
-        if sorted(generate) != sorted(plan.sizes):
-            raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(plan.sizes)}")
-        self.prefill, self.generate_sessions, self.plan, self.kv = prefill, generate, plan, kv
+    def __init__(self, prefill: Session, generate: dict[int, Session], plan: StaticPlan, pad_token: int = 0):
+        lengths = plan.lengths
+        if sorted(generate) != sorted(lengths.sizes):
+            raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(lengths.sizes)}")
+        self.prefill, self.generate_sessions, self.plan = prefill, generate, plan
+        self.lengths, self.kv = lengths, plan.kv
         self.pad_token = pad_token
-        self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in kv}
+        self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in self.kv}
         # Every session with a past reads its prefix of the shared buffers directly (bound
         # once, here): a step copies only its new rows, never the cache.
-        pasts = [(s, size - plan.tokens) for size, s in generate.items()]
-        if plan.chunk:
-            pasts.append((prefill, plan.prompt - plan.chunk))
+        pasts = [(s, size - lengths.tokens) for size, s in generate.items()]
+        if lengths.chunk:
+            pasts.append((prefill, lengths.prompt - lengths.chunk))
         for session, rows in pasts:
-            for spec in kv:
+            for spec in self.kv:
                 session.bind(spec.input, self.buffers[spec.input], rows, spec.seq_axis)
 
     # -- buffer views ------------------------------------------------------------------------
@@ -119,7 +99,7 @@ class StaticPipeline:
 
     def _prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Fill the cache with the prompt; return the last position's logits and the prompt's."""
-        P, C, n = self.plan.prompt, self.plan.chunk, len(prompt)
+        P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if not C:
             ids = np.full((1, P), self.pad_token, np.int64)
             ids[0, P - n:] = prompt
@@ -152,21 +132,41 @@ class StaticPipeline:
         prompt_logits = None if any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
-    def generate(self, prompt, new_tokens: int) -> StaticGeneration:
-        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        n, plan = len(prompt), self.plan
+    def _check_fits(self, n: int, new_tokens: int) -> None:
+        L = self.lengths
         if n == 0:
             raise UsageError("the prompt is empty")
-        if n > plan.prompt:
+        if n > L.prompt:
             raise PromptTooLongError(
-                f"prompt of {n} tokens does not fit: the prefill model takes at most {plan.prompt} "
-                f"(max prompt length {plan.prompt}, chunk {plan.chunk or 'none'})")
-        limit = max_new_tokens(plan, n)
+                f"prompt of {n} tokens does not fit: the prefill model takes at most {L.prompt} "
+                f"(max prompt length {L.prompt}, chunk {L.chunk or 'none'})")
+        limit = max_new_tokens(L, n)
         if new_tokens > limit:
             raise CapacityError(
                 f"{new_tokens} new tokens after a {n}-token prompt exceed the KV capacity: the largest "
-                f"generate variant holds {plan.capacity} positions (P {plan.prompt} + R {plan.response}), "
+                f"generate variant holds {L.capacity} positions (P {L.prompt} + R {L.response}), "
                 f"so at most {limit} tokens can follow this prompt")
+
+    def _decode_step(self, variant: int, token: int, stored: int) -> np.ndarray:
+        """One generate step on `variant` with `stored` rows in the cache; stores the new rows
+        and returns the step's last logits."""
+        G = self.lengths.tokens
+        session = self.generate_sessions[variant]
+        mask = np.zeros((1, variant), np.int64)
+        mask[0, :stored] = 1
+        mask[0, variant - G:] = 1
+        out = session.infer(self._feed(session, np.array([[token]], np.int64), mask, np.array([[stored]], np.int64)))
+        if stored + G <= self.lengths.capacity - G:  # the last step's row is never read again
+            for spec in self.kv:
+                self._store(spec, out[spec.output], stored)
+        return out["logits"][0, -1]
+
+    def generate(self, prompt, new_tokens: int) -> StaticGeneration:
+        """Greedy decoding: prefill, then one generate step per token on the smallest variant
+        that holds the prompt and R (moving up a variant when its past is full)."""
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        n, L = len(prompt), self.lengths
+        self._check_fits(n, new_tokens)
         for buf in self.buffers.values():  # in place: sessions hold views of these buffers
             buf[...] = 0
         gen = StaticGeneration(prompt=[int(t) for t in prompt])
@@ -174,32 +174,19 @@ class StaticPipeline:
         last, gen.prompt_logits = self._prefill(prompt)
         gen.prefill_seconds = time.perf_counter() - started
         gen.first_logits = gen.prompt_logits
-        stored = n
-        token = int(np.argmax(last))
-        gen.tokens.append(token)
-        gen.logits.append(np.array(last, copy=True))
         sizes = sorted(self.generate_sessions)
-        variant = next((s for s in sizes if s >= n + plan.response), sizes[-1])
-        G = plan.tokens
-        rows = plan.capacity - G  # the shared buffer's length
-        while len(gen.tokens) < new_tokens:
-            if stored > variant - G:  # this variant's past is full: move up, nothing to copy
-                variant = next(s for s in sizes if s - G >= stored)
-            session = self.generate_sessions[variant]
-            started = time.perf_counter()
-            mask = np.zeros((1, variant), np.int64)
-            mask[0, :stored] = 1
-            mask[0, variant - G:] = 1
-            out = session.infer(self._feed(session, np.array([[token]], np.int64), mask,
-                                           np.array([[stored]], np.int64)))
-            if stored + G <= rows:  # the last step's row is never read again
-                for spec in self.kv:
-                    self._store(spec, out[spec.output], stored)
-            stored += G
-            last = out["logits"][0, -1]
+        variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
+        stored = n
+        while True:
             token = int(np.argmax(last))
             gen.tokens.append(token)
             gen.logits.append(np.array(last, copy=True))
+            if len(gen.tokens) >= new_tokens:
+                return gen
+            if stored > variant - L.tokens:  # this variant's past is full: move up, nothing to copy
+                variant = next(s for s in sizes if s - L.tokens >= stored)
+            started = time.perf_counter()
+            last = self._decode_step(variant, token, stored)
+            stored += L.tokens
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
-        return gen

@@ -1,16 +1,19 @@
-"""kvc bisect: run the pipeline one pass at a time and find the first pass that changes outputs.
+"""kvc bisect: run the pipeline one pass at a time and name the one pass that breaks the outputs.
 
 Every intermediate model is evaluated with the probe for its form (`kvc.verify.probe`) on
 kvc's numpy runtime and compared with the source model: dynamic stages (the common passes)
 by greedy logits over a few steps, static stages (each branch: prefill and the generate
-variants) by one step of the NPU contract against the lifted source. The first stage beyond
-tolerance (1e-4; NRMSE 0.01 once KV is f16) is reported with the first tensor that diverges:
-both models (before and after the pass) run the same input in capture mode and their values
-are compared by stable name, in topological order.
+variants) by one step of the NPU contract against the lifted source. Each pass is judged on
+its own (tolerance 1e-4; NRMSE 0.01 once KV is f16).
 
-static-shape and mask-positions are judged together: under the NPU contract cache slots
-stop being positions the moment shapes become static, and mask-positions is what restores a
-sliding window's meaning, so the pair is the unit that must preserve numbers.
+The pass named is the first one after which the outputs are wrong *and stay wrong* to the end
+of its branch. A pass may break numbers that a later pass is there to restore: under the NPU
+contract cache slots stop being positions the moment shapes become static, and
+mask-positions is what gives a sliding window its meaning back, so on such a model
+static-shape alone diverges and the table shows it as "restored". With the pass, the first
+tensor that diverges: both models (before and after it) run the same input in capture mode
+and their values are compared by stable name, in topological order (when the model before
+it is static too; static-shape itself changes every shape, so there is no tensor to pair).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import openvino as ov
 
-from kvc.export.build import StaticOptions
-from kvc.passes import PassManager, parse_pipeline
+from kvc.passes import PassManager
+from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, F32_ATOL, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
@@ -36,6 +39,7 @@ class Stage:
     max_abs: float
     nrmse: float
     ok: bool
+    restored: bool = False  # wrong after this pass, right again after a later one of its branch
 
 
 @dataclass
@@ -64,7 +68,7 @@ def _judge(ref: np.ndarray, got: np.ndarray, f16: bool) -> tuple[float, float, b
 def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=None, steps: int = 3,
            seed: int = 0) -> BisectReport:
     """Walk the common passes and then every branch of `options`; stop at the first bad pass."""
-    from kvc.export.build import branch_pipelines
+    from kvc.export.build import branch_passes, common_passes
 
     source = model.clone()
     vocab = model.output("logits").get_partial_shape()[-1].get_length()
@@ -73,12 +77,10 @@ def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=
     ref_dynamic = dynamic_logits(source, prompt, steps)
     report = BisectReport()
     current = model
-    common = parse_pipeline(options.common_pipeline())
-    for i, p in enumerate(common, start=1):
+    for i, p in enumerate(common_passes(options), start=1):
         before = current.clone()
         current = PassManager([p], use_env=False).run(current).model
-        got = dynamic_logits(current, prompt, steps)
-        a, n, ok = _judge(ref_dynamic, got, f16=False)
+        a, n, ok = _judge(ref_dynamic, dynamic_logits(current, prompt, steps), f16=False)
         stage = Stage("common", i, p.spec(), a, n, ok)
         report.stages.append(stage)
         if not ok:
@@ -86,31 +88,41 @@ def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=
             report.first_tensor = first_diverging_tensor(before, current, lambda s: first_step_feed(s, prompt))
             return report
     lifted = current
-    tokens = rng.integers(1, vocab, 4 * options.plan().capacity)
-    for branch, pipeline in branch_pipelines(options).items():
-        model_b = lifted.clone()
-        passes = parse_pipeline(pipeline)
-        pending = ""
-        for i, p in enumerate(passes, start=1):
-            before = model_b.clone()
-            model_b = PassManager([p], use_env=False).run(model_b).model
-            paired = p.name == "static-shape" and i < len(passes) and passes[i].name == "mask-positions"
-            if paired or not is_static(model_b):
-                pending += p.spec() + "+"
-                continue  # judged with the next pass (see the module docstring)
-            feed = static_feed(model_b, lifted, tokens)
-            out = NumpySession(model_b).infer(feed.inputs)["logits"][0][feed.rows]
-            a, n, ok = _judge(feed.ref_logits, out, feed.f16)
-            stage = Stage(branch, i, pending + p.spec(), a, n, ok)
-            pending = ""
-            report.stages.append(stage)
-            if not ok:
-                report.first_bad = stage
-                if is_static(before):
-                    report.first_tensor = first_diverging_tensor(
-                        before, model_b, lambda s: static_feed(s.interpreter.model, lifted, tokens).inputs)
-                return report
+    tokens = rng.integers(1, vocab, 4 * options.lengths().capacity)
+    for branch, passes in branch_passes(options).items():
+        if _bisect_branch(report, branch, passes, lifted, tokens):
+            return report
     return report
+
+
+def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens) -> bool:
+    """Judge each static stage of one branch; True when the branch ends wrong (the culprit is
+    the first pass of the run of wrong stages at its end)."""
+    model, models, stages = lifted.clone(), [lifted], []
+    for i, p in enumerate(passes, start=1):
+        model = PassManager([p], use_env=False).run(model).model
+        models.append(model.clone())
+        if not is_static(model):
+            continue
+        feed = static_feed(model, lifted, tokens)
+        out = NumpySession(model).infer(feed.inputs)["logits"][0][feed.rows]
+        stages.append((i, Stage(branch, i, p.spec(), *_judge(feed.ref_logits, out, feed.f16))))
+    report.stages.extend(s for _, s in stages)
+    if not stages or stages[-1][1].ok:
+        for _, s in stages:
+            s.restored = not s.ok
+        return False
+    culprit = len(stages) - 1
+    while culprit > 0 and not stages[culprit - 1][1].ok:
+        culprit -= 1
+    for _, s in stages[:culprit]:
+        s.restored = not s.ok
+    index, report.first_bad = stages[culprit]
+    before, after = models[index - 1], models[index]
+    if is_static(before):
+        report.first_tensor = first_diverging_tensor(
+            before, after, lambda s: static_feed(s.interpreter.model, lifted, tokens).inputs)
+    return True
 
 
 def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for) -> dict | None:

@@ -30,7 +30,7 @@ def ir_generations(static: StaticModels, cases) -> list:
 
     pipeline = StaticPipeline(NumpySession(static.models["prefill"]),
                               {size: NumpySession(static.models[name]) for size, name in static.generate_names.items()},
-                              static.plan, static.kv)
+                              static.plan)
     return [pipeline.generate(prompt, n) for prompt, n in cases]
 
 
@@ -41,7 +41,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
     from kvc.runtime.generate import greedy
 
     reference = NumpySession(source_model)
-    reduced = reduced_precision([k.element_type for k in static.kv], "numpy")
+    reduced = reduced_precision(static.plan.kv_element_types, "numpy")
     results = []
     for (prompt, n), got in zip(cases, ir_gens):
         verdict = judge(greedy(reference, prompt, n), got, reduced=reduced)
@@ -56,11 +56,12 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
     numpy runtime when given (exact with f32 KV on CPU, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
+    from kvc.export.manifest import plan_of
     from kvc.runtime.compare import count_nonfinite, judge, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend)
-    reduced = reduced_precision([k["element_type"] for k in manifest["kv"]], backend)
+    reduced = reduced_precision(plan_of(manifest).kv_element_types, backend)
     rows = []
     for i, (prompt, n) in enumerate(cases):
         got = pipe.generate(prompt, n)
@@ -94,8 +95,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties)."""
     from pathlib import Path
 
-    from kvc.export.load import backend_config, pipeline_from, plan_from
-    from kvc.export.manifest import check_files, read_manifest, recorded_source, source_hashes
+    from kvc.export.load import backend_config, pipeline_from
+    from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import judge, reduced_precision
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
@@ -105,17 +106,18 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     check_files(directory, manifest, sha256=True)
     source = Path(against) if against else recorded_source(manifest, directory)
     is_recorded_source = against is None or source_hashes(source) == manifest["source"]["sha256"]
-    plan = plan_from(manifest)
+    plan = plan_of(manifest)
+    lengths = plan.lengths
     ref = reference_session(source, reference_backend)
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-    prompts = prompts or default_prompts(plan, vocab)
-    kv_types = [k["element_type"] for k in manifest["kv"]]
+    prompts = prompts or default_prompts(lengths, vocab)
+    kv_types = plan.kv_element_types
     references = {}
     rows = []
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
-            n = min(new_tokens, max_new_tokens(plan, len(prompt)))
+            n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
             verdict = judge(references[(i, n)], pipe.generate(prompt, n), reduced=reduced_precision(kv_types, backend))

@@ -16,7 +16,7 @@ import numpy as np
 from kvc import __version__
 from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import open_compiled
-from kvc.export.manifest import openvino_version, read_manifest
+from kvc.export.manifest import openvino_version
 from kvc.ir.writer import write_bytes_atomic
 from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
 from kvc.runtime.static_pipeline import max_new_tokens
@@ -26,11 +26,10 @@ FORMAT = "kvc-goldens/1"
 
 
 def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int = 16, from_ir: bool = False) -> dict:
-    manifest = read_manifest(directory)
     pipe = open_compiled(directory, backend, from_ir=from_ir)
     entries = []
     for prompt in prompts:
-        n = min(new_tokens, max_new_tokens(pipe.plan, len(prompt)))
+        n = min(new_tokens, max_new_tokens(pipe.lengths, len(prompt)))
         gen = pipe.generate(prompt, n)
         if count_nonfinite(gen.logits):
             raise VerificationError(f"{directory} on {backend}, prompt of {len(prompt)} tokens: non-finite logits; "
@@ -41,7 +40,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
             steps.append([[int(t), round(float(logits[t]), 6)] for t in top])
         entries.append({"ids": [int(t) for t in prompt], "tokens": gen.tokens, "top_logits": steps})
     data = {"format": FORMAT, "kvc_version": __version__, "openvino_version": openvino_version(),
-            "backend": backend, "kv_element_type": manifest["kv"][0]["element_type"], "prompts": entries}
+            "backend": backend, "kv_element_type": pipe.plan.kv[0].element_type, "prompts": entries}
     write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
     return data
 

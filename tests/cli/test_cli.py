@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from kvc import fixtures
 from kvc.cli.main import cli
-from kvc.passes.base import Pass, PassResult
-from kvc.passes.registry import register_pass
+from kvc.passes.framework.base import Pass, PassResult
+from kvc.passes.framework.registry import register_pass
 from tests.cli.runner import SMALL, kvc
 
 
@@ -192,9 +192,84 @@ def test_bisect_finds_the_broken_pass_and_tensor():
 
 
 def test_bisect_clean_pipeline():
+    data = json.loads(kvc("bisect", fixtures.path("mistral"), *SMALL, "--prefill-chunk-size", "16", "--json").stdout)
+    assert data["ok"] and data["first_bad_pass"] is None
+    # Each pass is judged alone: on a sliding window static-shape breaks the numbers and
+    # mask-positions restores them, so static-shape is shown as restored, not blamed.
+    rows = {(s["branch"], s["spec"]): s for s in data["stages"]}
+    shaped = rows[("prefill", "static-shape{kind=prefill,prompt=64,chunk=16}")]
+    assert not shaped["ok"] and shaped["restored"]
+    assert rows[("prefill", "mask-positions")]["ok"] and not rows[("prefill", "mask-positions")]["restored"]
     out = kvc("bisect", fixtures.path("mistral"), *SMALL, "--prefill-chunk-size", "16").output
-    assert "no pass changes the outputs beyond tolerance" in out
-    assert "static-shape{kind=prefill,prompt=64,chunk=16}+mask-positions" in out
+    assert "changed, restored later" in out and "no pass changes the outputs beyond tolerance" in out
+
+
+def test_bisect_names_the_one_branch_pass_and_its_tensor(monkeypatch):
+    """A pass inside a static branch that breaks the numbers is named alone (not merged with
+    static-shape), with the first tensor it changes."""
+    import kvc.export.build as build
+
+    real = build.branch_passes
+
+    def with_perturbation(options):
+        branches = real(options)
+        branches["prefill"].insert(3, PerturbConstant())  # after unmask-pad-rows
+        return branches
+
+    monkeypatch.setattr(build, "branch_passes", with_perturbation)
+    data = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--kv-precision", "f32", "--json", code=4).stdout)
+    assert data["first_bad_pass"]["spec"] == "test-perturb-constant"
+    assert data["first_bad_pass"]["branch"] == "prefill" and data["first_bad_pass"]["index"] == 4
+    assert data["first_diverging_tensor"]["tensor"] == "442"
+
+
+PLUGIN = """
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import openvino.opset13 as ops
+
+from kvc.passes.framework.base import Pass, PassResult
+from kvc.passes.framework.registry import register_pass
+
+
+@register_pass
+@dataclass(frozen=True)
+class ScaleLogits(Pass):
+    '''Plugin test: doubles the logits.'''
+
+    name: ClassVar[str] = "plugin-scale-logits"
+
+    def run(self, model):
+        result = next(r for r in model.get_results() if "logits" in r.output(0).get_names())
+        doubled = ops.multiply(result.input_value(0), ops.constant(np.float32(2)))
+        result.input(0).replace_source_output(doubled.output(0))
+        return PassResult(model, True)
+"""
+
+
+def test_pass_plugin_file_is_listed_and_bisected(tmp_path):
+    plugin = tmp_path / "my_pass.py"
+    plugin.write_text(PLUGIN)
+    assert "plugin-scale-logits: Plugin test: doubles the logits." in kvc("passes", "--pass-plugin", plugin).output
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, "--pass-plugin", plugin,
+                 "--passes", "lift-state,plugin-scale-logits", "--json", code=4)
+    data = json.loads(result.stdout)
+    assert data["first_bad_pass"]["spec"] == "plugin-scale-logits" and data["first_bad_pass"]["branch"] == "common"
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "expected an existing .py file"),
+    ("raise RuntimeError('boom')", "failed to import: RuntimeError: boom"),
+    ("x = 1", "registered no pass"),
+])
+def test_bad_pass_plugins_are_usage_errors(tmp_path, content, message):
+    plugin = tmp_path / "bad_plugin.py"
+    if content is not None:
+        plugin.write_text(content)
+    result = kvc("passes", "--pass-plugin", plugin, code=2)
+    assert message in result.output and "Traceback" not in result.output
 
 
 def test_unexpected_errors_are_internal_with_exit_1(monkeypatch):

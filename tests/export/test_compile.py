@@ -12,7 +12,8 @@ import pytest
 import kvc.ir as ir
 from kvc import fixtures
 from kvc.errors import DeviceError, UsageError, VerificationError
-from kvc.export.build import StaticOptions, build_static
+from kvc.export.build import build_static
+from kvc.plan import StaticOptions
 from kvc.export.compile import CompileOptions, compile_to
 from kvc.export.load import open_compiled
 from kvc.export.manifest import read_manifest
@@ -37,10 +38,10 @@ def test_layout_and_manifest(compiled):
                             "generate-80.CPU.blob", "generate-80.NPU.blob", "generate-80.xml", "manifest.json",
                             "prefill.CPU.blob", "prefill.NPU.blob", "prefill.xml", "weights.bin", *tokenizer])
     assert m["openvino_version"] and m["kvc_version"]
-    assert m["lengths"]["generate_sizes"] == [80, 128] and m["lengths"]["capacity"] == 128
-    assert m["lengths"]["adjustments"] == ["min response length 32 aligned up to 64 (multiple of 64)",
+    assert m["plan"]["lengths"]["generate_sizes"] == [80, 128] and m["plan"]["lengths"]["capacity"] == 128
+    assert m["plan"]["lengths"]["adjustments"] == ["min response length 32 aligned up to 64 (multiple of 64)",
                                            "generate variant 128 (= P + R) added: the largest variant must hold the capacity"]
-    assert [k["input"] for k in m["kv"]][:2] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert [k["input"] for k in m["plan"]["kv"]][:2] == ["past_key_values.0.key", "past_key_values.0.value"]
     gen = m["models"]["generate-80"]
     assert {i["name"]: i["shape"] for i in gen["inputs"]}["attention_mask"] == [1, 80]
     assert {o["name"]: o["shape"] for o in gen["outputs"]}["present.0.key"] == [1, 2, 1, 16]
@@ -145,7 +146,7 @@ def test_force_replaces_only_when_complete(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-_COMPILE = ("import sys; from kvc import fixtures; from kvc.export.build import StaticOptions; "
+_COMPILE = ("import sys; from kvc import fixtures; from kvc.plan import StaticOptions; "
             "from kvc.export.compile import compile_to, CompileOptions; "
             "compile_to(fixtures.path('qwen2'), sys.argv[1], CompileOptions(StaticOptions(64, 32), devices=('CPU',)))")
 

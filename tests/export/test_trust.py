@@ -134,7 +134,30 @@ def test_old_manifest_format_asks_for_a_recompile(compiled):
     m["format"] = 1
     (compiled / MANIFEST).write_text(dumps(m))
     out = run(compiled, code=3).output
-    assert "recompile" in out and "expected format 2, found format 1" in out
+    assert "recompile" in out and "expected format 3, found format 1" in out
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda plan: plan.update(version=99), "malformed plan: ValueError: plan version 99, expected 1"),
+    (lambda plan: plan["lengths"].pop("generate_sizes"), "malformed plan: KeyError: 'generate_sizes'"),
+    (lambda plan: plan["options"].update(beam="keep"), "malformed plan: UsageError: beam=keep cannot be compiled"),
+])
+def test_a_malformed_plan_is_refused_naming_the_manifest(compiled, damage, message):
+    m = json.loads((compiled / MANIFEST).read_text())
+    damage(m["plan"])
+    (compiled / MANIFEST).write_text(dumps(m))
+    out = run(compiled, code=3).output
+    assert f"{compiled / MANIFEST}: {message}" in out
+
+
+def test_the_plan_round_trips_through_the_manifest(compiled):
+    from kvc.export.manifest import plan_of, read_manifest
+    from kvc.plan import StaticPlan
+
+    m = read_manifest(compiled)
+    plan = plan_of(m)
+    assert isinstance(plan, StaticPlan) and plan.to_dict() == m["plan"]
+    assert plan.lengths.capacity == plan.lengths.sizes[-1] and plan.kv[0].input == "past_key_values.0.key"
 
 
 def test_verify_finds_the_source_from_any_directory(compiled, tmp_path, monkeypatch):
@@ -197,7 +220,7 @@ def test_a_blob_that_does_not_import_is_never_published(tmp_path, source, monkey
 
 def test_beam_keep_is_refused_up_front_by_the_library():
     from kvc.errors import UsageError
-    from kvc.export.build import StaticOptions
+    from kvc.plan import StaticOptions
 
     with pytest.raises(UsageError, match="beam=keep cannot be compiled: the static contract runs batch 1"):
         StaticOptions(beam="keep")

@@ -10,7 +10,8 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.export.build import StaticOptions, build_static
+from kvc.export.build import build_static
+from kvc.plan import StaticOptions
 from kvc.ir import bundle as bundle_mod
 from kvc.ir import weights_stream
 from kvc.ir.bundle import Bundle, save_bundle

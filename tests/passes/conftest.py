@@ -24,3 +24,10 @@ def golden(request):
         assert text == path.read_text(), f"{path} differs; run pytest --update-goldens and review the diff"
 
     return check
+
+
+@pytest.fixture(autouse=True)
+def check_passes(monkeypatch):
+    """Every PassManager in the pass tests runs in check mode: invariants, no stale types,
+    and `modified` true exactly when the model's text changed."""
+    monkeypatch.setenv("KVC_CHECK_PASSES", "1")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import io
 
 import numpy as np
 import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.passes import PassManager, parse_pipeline
+from kvc.passes import Instrumentation, PassManager, parse_pipeline
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
 from tests.passes.models import kv_model
@@ -121,22 +121,27 @@ def test_kvcache_serialises_loads_back_and_runs(tmp_path, fixture_name):
 KV_IDS = ["past_key_values.0.keypresent.0.key", "past_key_values.0.valuepresent.0.value"]
 
 
-def test_no_match_when_variable_ids_differ(caplog):
+def test_no_match_when_variable_ids_differ():
     model = kv_model(KV_IDS[:1], assign_other_variable=True)
-    with caplog.at_level(logging.DEBUG, logger="kvc.passes.fuse_kvcache"):
-        run = PassManager(parse_pipeline("fuse-kvcache"), use_env=False).run(model)
-    assert not run.records[0].changed and op_count(model, "KVCache") == 0
-    assert "variable ids differ: ReadValue reads past_key_values.0.keypresent.0.key, Assign writes " \
-           "past_key_values.0.keypresent.0.key.other" in caplog.text
+    run = PassManager(parse_pipeline("fuse-kvcache"), use_env=False).run(model)
+    assert not run.records[0].modified and op_count(model, "KVCache") == 0
+    assert run.records[0].rule_hits == {}
+    [(rule, node, reason)] = run.records[0].rule_misses
+    assert rule == "fuse-kvcache/cache-update" and node.startswith("Assign")
+    assert reason == ("variable ids differ: ReadValue reads past_key_values.0.keypresent.0.key, Assign writes "
+                      "past_key_values.0.keypresent.0.key.other")
 
 
-def test_no_match_when_the_reordered_past_has_another_consumer(caplog):
+def test_no_match_when_the_reordered_past_has_another_consumer():
     model = kv_model(KV_IDS, extra_gather_user=True)
-    with caplog.at_level(logging.DEBUG, logger="kvc.passes.fuse_kvcache"):
-        run = PassManager(parse_pipeline("fuse-kvcache"), use_env=False).run(model)
-    assert not run.records[0].changed
-    assert "the reordered past Gather 'reorder.0' also feeds Multiply" in caplog.text
-    assert "fusing it into KVCache would change what that consumer reads" in caplog.text
+    stream = io.StringIO()
+    run = PassManager(parse_pipeline("fuse-kvcache"), Instrumentation(debug_rules=True, stream=stream),
+                      use_env=False).run(model)
+    assert not run.records[0].modified
+    # --debug-rules prints each miss with the rule, the node and the reason
+    assert "// rule fuse-kvcache/cache-update did not match at Assign" in stream.getvalue()
+    assert "the reordered past Gather 'reorder.0' also feeds Multiply" in stream.getvalue()
+    assert "fusing it into KVCache would change what that consumer reads" in stream.getvalue()
 
 
 def test_indirect_needs_beam_gathers():

@@ -109,7 +109,7 @@ def test_unchanged_when_stateless(fixture_name):
     model = ir.load(fixtures.path(fixture_name, "stateless"))
     before = ir.to_text(model)
     run = PassManager(parse_pipeline("lift-state"), use_env=False).run(model)
-    assert not run.records[0].changed
+    assert not run.records[0].modified
     assert ir.to_text(run.model) == before
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -75,7 +76,7 @@ def test_dump_dir_layout_and_determinism(tmp_path):
     assert [(r["pass"], r["changed"]) for r in index] == [("lift-state", True), ("lift-state", False)]
     assert index[0]["op_delta"]["Assign"] == -2 and index[0]["op_delta"]["ReadValue"] == -2
     assert (tmp_path / "a" / "002-lift-state.txt").read_text().count("\n") == 1  # one status line
-    assert [r.changed for r in run.records] == [True, False] and all(r.seconds >= 0 for r in run.records)
+    assert [r.modified for r in run.records] == [True, False] and all(r.seconds >= 0 for r in run.records)
 
 
 def test_dumps_identical_across_processes(tmp_path):
@@ -128,3 +129,140 @@ def test_failure_without_dump_dir_writes_a_temp_file():
         PassManager(parse_pipeline("lift-state"), use_env=False).run(kv_model(KV_IDS[:1], assign_other_variable=True))
     path = str(info.value).rsplit("IR before the failing pass: ", 1)[1].strip()
     assert open(path).read().startswith("# kvc ir text v1")
+
+
+# -- invariants, honesty, rules ---------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+from typing import ClassVar  # noqa: E402
+
+from kvc.passes import Pass, PassResult  # noqa: E402
+
+
+@dataclass(frozen=True)
+class _Scale(Pass):
+    """Multiplies the logits by 2 and claims `claim`."""
+
+    name: ClassVar[str] = "test-scale"
+    claim: bool = True
+
+    def run(self, model):
+        import numpy as np
+        import openvino.opset13 as ops
+
+        result = next(r for r in model.get_results() if "logits" in r.output(0).get_names())
+        doubled = ops.multiply(result.input_value(0), ops.constant(np.float32(2)))
+        result.input(0).replace_source_output(doubled.output(0))
+        return PassResult(model, self.claim)
+
+
+@dataclass(frozen=True)
+class _Nothing(Pass):
+    name: ClassVar[str] = "test-nothing"
+    claim: bool = True
+
+    def run(self, model):
+        return PassResult(model, self.claim)
+
+
+def test_check_mode_holds_modified_to_the_truth():
+    def lifted():
+        return PassManager(parse_pipeline("lift-state"), use_env=False).run(ir.load(fixtures.path("llama"))).model
+
+    for p, said in ((_Scale(claim=False), "reported modified=False, but the model's text changed"),
+                    (_Nothing(claim=True), "reported modified=True, but the model's text is unchanged")):
+        with pytest.raises(PassFailure, match=f"pass {p.name} failed: check mode: it {said}"):
+            PassManager([p], use_env=False, check=True).run(lifted())
+        PassManager([p], use_env=False, check=False).run(lifted())  # outside check mode nobody looks
+    honest = PassManager([_Scale(), _Nothing(claim=False)], use_env=False, check=True).run(lifted())
+    assert [r.modified for r in honest.records] == [True, False]
+
+
+def test_lift_state_on_a_stateless_model_reports_no_modification():
+    lifted = PassManager(parse_pipeline("lift-state"), use_env=False).run(kv_model(KV_IDS)).model
+    run = PassManager(parse_pipeline("lift-state"), use_env=False, check=True).run(lifted)
+    assert run.records[0].modified is False
+
+
+def test_static_shape_on_an_already_static_model_reports_no_modification():
+    once = PassManager(parse_pipeline("lift-state,static-shape{size=96}"), use_env=False).run(
+        ir.load(fixtures.path("llama"))).model
+    again = PassManager(parse_pipeline("static-shape{size=96}"), use_env=False, check=True).run(once)
+    assert again.records[0].modified is False
+
+
+def test_requires_is_checked_and_names_the_pass():
+    with pytest.raises(PassFailure, match=r"pass group-attention failed: requires static, which its input breaks: "
+                                          r"output 0 of .* is still dynamic in dimension"):
+        PassManager(parse_pipeline("lift-state,group-attention"), use_env=False).run(ir.load(fixtures.path("llama")))
+    with pytest.raises(PassFailure, match=r"pass kv-io failed: requires stateless, which its input breaks: "
+                                          r"the model is still stateful; run lift-state first"):
+        PassManager(parse_pipeline("kv-io"), use_env=False).run(ir.load(fixtures.path("llama")))
+
+
+def test_ensures_is_checked_and_names_the_pass():
+    @dataclass(frozen=True)
+    class FakeLift(Pass):
+        name: ClassVar[str] = "test-fake-lift"
+        ensures: ClassVar[tuple[str, ...]] = ("stateless",)
+
+        def run(self, model):
+            return PassResult(model, False)
+
+    with pytest.raises(PassFailure, match=r"pass test-fake-lift failed: ensures stateless, which its output breaks"):
+        PassManager([FakeLift()], use_env=False).run(kv_model(KV_IDS))
+
+
+def test_every_pass_states_its_contract():
+    contracts = {name: (cls.requires, cls.ensures) for name, cls in registered().items() if not name.startswith("test-")}
+    assert contracts["lift-state"] == ((), ("stateless",))
+    assert contracts["static-shape"] == (("stateless",), ("static",))
+    assert contracts["lower-kvcache"][1] == ("standard-ops",)
+    for name in ("mask-positions", "unmask-pad-rows", "group-attention", "kv-io"):
+        assert "static" in contracts[name][0], name
+
+
+def test_the_compile_pipeline_keeps_its_word_on_every_fixture(fixture_name):
+    """Every pass of `kvc compile`'s pipeline, on every fixture, in check mode (with a chunked
+    prefill and two generate variants): invariants hold, no stale type, honest `modified`."""
+    from kvc.export.build import build_static
+    from kvc.plan import StaticOptions
+
+    static = build_static(ir.load(fixtures.path(fixture_name)),
+                          StaticOptions(64, 32, prefill_chunk_size=16, variants=(80,)), use_env=False)
+    assert set(static.models) == {"prefill", "generate-80", "generate-128"}
+
+
+def test_rule_hits_are_counted_and_dumped(tmp_path):
+    from kvc.export.build import branch_passes
+    from kvc.plan import StaticOptions
+
+    lifted = PassManager(parse_pipeline("lift-state"), use_env=False).run(ir.load(fixtures.path("mistral"))).model
+    passes = branch_passes(StaticOptions(64, 64))["generate-128"]
+    run = PassManager(passes, Instrumentation(dump_dir=tmp_path), use_env=False).run(lifted)
+    hits = {r.name: r.rule_hits for r in run.records}
+    layers = 2
+    assert hits["group-attention"] == {"group-attention/sdpa": layers}
+    assert hits["mask-positions"] == {"mask-positions/index-compare": 2}  # the window's and the causal comparison
+    assert hits["unmask-pad-rows"] == {}  # mistral's masks are float: nothing to unmask, and why is recorded
+    misses = next(r.rule_misses for r in run.records if r.name == "unmask-pad-rows")
+    assert len(misses) == layers and all(m[2].startswith("the mask is f32, not boolean") for m in misses)
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert {row["pass"]: row["rules"] for row in index} == hits
+
+
+def test_debug_rules_prints_hits_and_misses(monkeypatch):
+    stream = io.StringIO()
+    lifted = PassManager(parse_pipeline("lift-state"), use_env=False).run(ir.load(fixtures.path("llama"))).model
+    monkeypatch.setenv("KVC_DEBUG_RULES", "1")
+    PassManager(parse_pipeline("fuse-kvcache"), Instrumentation(stream=stream)).run(lifted)
+    out = stream.getvalue()
+    assert "// rule fuse-kvcache/cache-update: 4 match(es)" in out
+    assert re.search(r"// rule fuse-kvcache/cache-update did not match at Result '\w+' \(tensors logits\): "
+                     r"Result '\w+' \(tensors logits\) does not store a two-input Concat", out)
+
+
+def test_a_rule_without_rewrite_cannot_apply():
+    from kvc.passes.framework.rules import Rule
+
+    with pytest.raises(TypeError, match="has no rewrite"):
+        Rule("x/y", ("Parameter",), match=lambda n: n).apply([])

@@ -10,7 +10,7 @@ import kvc.ir as ir
 from kvc import fixtures
 from kvc.errors import UsageError
 from kvc.passes import PassFailure, PassManager, parse_pipeline
-from kvc.passes.static_shape import plan_lengths
+from kvc.plan import plan_lengths
 
 
 def run(name, spec):
@@ -100,7 +100,7 @@ def test_unknown_dynamic_input_fails_preflight_naming_it():
 def test_mask_positions_applies_only_to_sliding_windows():
     def changed(name):
         m = run(name, "lift-state,static-shape{kind=generate,size=96}")
-        return PassManager(parse_pipeline("mask-positions"), use_env=False).run(m).records[0].changed
+        return PassManager(parse_pipeline("mask-positions"), use_env=False).run(m).records[0].modified
     assert changed("mistral") and not changed("llama")
 
 

@@ -9,7 +9,8 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.export.build import StaticOptions, build_static
+from kvc.export.build import build_static
+from kvc.plan import StaticOptions
 from kvc.runtime.compare import judge
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import NPUW_CPU_CONFIG, NumpySession, OpenVINOSession, open_session
@@ -34,7 +35,7 @@ def pipeline(name: str, config: str, backend: str) -> StaticPipeline:
     make = {"numpy": NumpySession, "openvino": OpenVINOSession,
             "npu": lambda m: OpenVINOSession(m, "NPU", NPUW_CPU_CONFIG)}[backend]
     return StaticPipeline(make(sm.models["prefill"]), {s: make(sm.models[n]) for s, n in sm.generate_names.items()},
-                          sm.plan, sm.kv)
+                          sm.plan)
 
 
 def prompts(seed: int = 0):

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from kvc.errors import UsageError
-from kvc.passes.base import Pass
+from kvc.passes.framework.base import Pass
 
 _REGISTRY: dict[str, type[Pass]] = {}
 

@@ -8,9 +8,15 @@
 
         def run(self, model: ov.Model) -> PassResult: ...
 
-A pass rewrites the model in place (OpenVINO's own convention) and says whether it changed
-anything. A pass that cannot apply raises `PassFailure` naming itself, the node (type,
-friendly name, tensor names) and why; the PassManager adds the passes that ran before.
+A pass rewrites the model in place (OpenVINO's own convention) and says whether it modified
+it: `PassResult.modified` is true exactly when the model's text changed (the PassManager's
+check mode holds every pass to it). A pass names the invariants it `requires` of its input
+and `ensures` of its output (`kvc.passes.framework.invariants`); the PassManager checks them
+around every run. Pattern matching inside a pass is written as named rewrite rules
+(`kvc.passes.framework.rules`), whose hits and misses the PassManager reports.
+
+A pass that cannot apply raises `PassFailure` naming itself, the node (type, friendly name,
+tensor names) and why; the PassManager adds the passes that ran before.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from kvc.errors import PassError
 @dataclass(frozen=True)
 class PassResult:
     model: ov.Model
-    changed: bool
+    modified: bool
 
 
 def reinfer(nodes: list[ov.Node]) -> None:
@@ -39,9 +45,9 @@ def reinfer(nodes: list[ov.Node]) -> None:
     work = deque(nodes)
     while work:
         node = work.popleft()
-        before = _signature(node)
+        before = type_signature(node)
         node.validate_and_infer_types()
-        if _signature(node) != before:
+        if type_signature(node) != before:
             for out in node.outputs():
                 work.extend(target.get_node() for target in out.get_target_inputs())
 
@@ -63,7 +69,7 @@ def name_new(out: ov.Node, base: str, keep: set[ov.Node]) -> None:
             stack.append(src)
 
 
-def _signature(node: ov.Node) -> list[tuple[str, str]]:
+def type_signature(node: ov.Node) -> list[tuple[str, str]]:
     return [(out.get_element_type().get_type_name(), str(out.get_partial_shape())) for out in node.outputs()]
 
 
@@ -106,6 +112,8 @@ class Pass:
     """Base of every pass; subclasses set `name` and implement `run`."""
 
     name: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()  # invariants of the input (kvc.passes.framework.invariants)
+    ensures: ClassVar[tuple[str, ...]] = ()  # invariants of the output
 
     def run(self, model: ov.Model) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError

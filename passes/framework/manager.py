@@ -16,6 +16,13 @@ Instrumentation, all off by default, follows MLIR's ``--mlir-print-ir-before/aft
 Library users get the same through environment variables (`Instrumentation.from_env`):
 ``KVC_PRINT_IR_BEFORE``, ``KVC_PRINT_IR_AFTER`` (globs, comma-separated),
 ``KVC_PRINT_IR_AFTER_CHANGE=1``, ``KVC_PRINT_IR_DIFF=1``, ``KVC_DUMP_DIR=path``.
+
+Around every pass the manager checks the invariants the pass `requires` and `ensures`
+(`kvc.passes.framework.invariants`) and records the hits of its rewrite rules
+(`kvc.passes.framework.rules`; ``--debug-rules`` / ``KVC_DEBUG_RULES=1`` also prints each miss
+with its node and reason). In check mode (``check=True`` or ``KVC_CHECK_PASSES=1``) it also
+holds each pass to its word: no stale types left, and `modified` true exactly when the
+model's text changed. A broken invariant is a PassFailure naming the pass.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import openvino as ov
 from kvc.ir.compare import count_delta, diff_text, op_counts
 from kvc.ir.text import to_text
 from kvc.ir.writer import write_bytes_atomic
-from kvc.passes.base import Pass, PassFailure
+from kvc.passes.framework import invariants, rules
+from kvc.passes.framework.base import Pass, PassFailure
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Instrumentation:
     print_diff: bool = False
     dump_dir: Path | None = None
     stream: TextIO | None = None  # default: stderr
+    debug_rules: bool = False  # print why each rewrite rule did not match, node by node
 
     @property
     def active(self) -> bool:
@@ -62,13 +71,14 @@ class Instrumentation:
         dump = env.get("KVC_DUMP_DIR")
         return cls(print_before=globs("KVC_PRINT_IR_BEFORE"), print_after=globs("KVC_PRINT_IR_AFTER"),
                    after_change=flag("KVC_PRINT_IR_AFTER_CHANGE"), print_diff=flag("KVC_PRINT_IR_DIFF"),
-                   dump_dir=Path(dump) if dump else None)
+                   dump_dir=Path(dump) if dump else None, debug_rules=flag("KVC_DEBUG_RULES"))
 
     def merged(self, other: "Instrumentation") -> "Instrumentation":
         """Explicit settings (self) win; the environment fills in what they leave unset."""
         return Instrumentation(self.print_before or other.print_before, self.print_after or other.print_after,
                                self.after_change or other.after_change, self.print_diff or other.print_diff,
-                               self.dump_dir or other.dump_dir, self.stream or other.stream)
+                               self.dump_dir or other.dump_dir, self.stream or other.stream,
+                               self.debug_rules or other.debug_rules)
 
 
 @dataclass
@@ -76,9 +86,11 @@ class PassRecord:
     index: int
     name: str
     spec: str
-    changed: bool
+    modified: bool
     seconds: float
     op_delta: dict[str, int] = field(default_factory=dict)
+    rule_hits: dict[str, int] = field(default_factory=dict)  # rewrite rule -> nodes it matched
+    rule_misses: list[tuple[str, str, str]] = field(default_factory=list)  # (rule, node, why not)
 
 
 @dataclass
@@ -94,11 +106,13 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 class PassManager:
     def __init__(self, passes: list[Pass], instrumentation: Instrumentation | None = None, *,
-                 keep_intermediates: bool = False, use_env: bool = True):
+                 keep_intermediates: bool = False, use_env: bool = True, check: bool | None = None):
         self.passes = list(passes)
         instr = instrumentation or Instrumentation()
         self.instr = instr.merged(Instrumentation.from_env()) if use_env else instr
         self.keep_intermediates = keep_intermediates
+        self.check = check if check is not None else \
+            os.environ.get("KVC_CHECK_PASSES", "").lower() in ("1", "true", "yes")
 
     # -- output helpers ----------------------------------------------------------------
     def _emit(self, text: str) -> None:
@@ -112,7 +126,7 @@ class PassManager:
     # -- running -------------------------------------------------------------------------
     def run(self, model: ov.Model) -> PipelineRun:
         instr = self.instr
-        need_text = instr.active
+        need_text = instr.active or self.check
         text_before = to_text(model) if need_text else None
         if instr.dump_dir is not None:
             Path(instr.dump_dir).mkdir(parents=True, exist_ok=True)
@@ -127,20 +141,28 @@ class PassManager:
             counts_before = op_counts(model) if need_text else None
             start = time.perf_counter()
             try:
-                result = p.run(model)
+                self._require(p, "requires", p.requires, model)
+                with rules.recording() as rule_log:
+                    result = p.run(model)
+                self._require(p, "ensures", p.ensures, result.model)
             except PassFailure as exc:
                 self._on_failure(exc, records, tag, text_before if text_before is not None else to_text(model))
                 raise
             seconds = time.perf_counter() - start
             model = result.model
-            record = PassRecord(i, p.name, p.spec(), result.changed, seconds)
+            record = PassRecord(i, p.name, p.spec(), result.modified, seconds, rule_hits=rule_log.hit_counts(),
+                                rule_misses=rule_log.misses)
+            self._report_rules(p, rule_log)
             if need_text:
+                if self.check:
+                    text_after = self._hold_to_word(p, result.modified, text_before, model, records, tag)
+                else:
+                    text_after = to_text(model) if result.modified else text_before
                 record.op_delta = count_delta(counts_before, op_counts(model))
-                text_after = to_text(model) if result.changed else text_before
-                self._instrument_after(p, tag, result.changed, text_before, text_after)
-                index_rows.append({"index": i, "pass": p.name, "spec": p.spec(), "changed": result.changed,
-                                   "op_delta": record.op_delta,
-                                   "files": [f"{tag}.txt"] + ([f"{tag}.diff"] if result.changed else [])})
+                self._instrument_after(p, tag, result.modified, text_before, text_after)
+                index_rows.append({"index": i, "pass": p.name, "spec": p.spec(), "changed": result.modified,
+                                   "op_delta": record.op_delta, "rules": record.rule_hits,
+                                   "files": [f"{tag}.txt"] + ([f"{tag}.diff"] if result.modified else [])})
                 text_before = text_after
             records.append(record)
             if self.keep_intermediates:
@@ -150,6 +172,36 @@ class PassManager:
             self._dump("timings.json", json.dumps([{"index": r.index, "pass": r.name, "seconds": round(r.seconds, 6)}
                                                    for r in records], indent=1) + "\n")
         return PipelineRun(model, records, intermediates)
+
+    @staticmethod
+    def _require(p: Pass, which: str, names: tuple[str, ...], model: ov.Model) -> None:
+        broken = invariants.check(names, model)
+        if broken is not None:
+            stage = "its input" if which == "requires" else "its output"
+            raise p.fail(f"{which} {broken[0]}, which {stage} breaks: {broken[1]}")
+
+    def _hold_to_word(self, p: Pass, modified: bool, before: str, model: ov.Model, records: list[PassRecord],
+                      tag: str) -> str:
+        """Check mode: the pass left no stale type, and `modified` says what happened. Returns
+        the model's text (after validation, which also settles the names of model outputs)."""
+        reason = invariants.stale_types(model)
+        after = to_text(model)
+        if reason is None and modified != (before != after):
+            reason = (f"it reported modified={modified}, but the model's text "
+                      f"{'changed' if before != after else 'is unchanged'}")
+        if reason is not None:
+            exc = p.fail(f"check mode: {reason}")
+            self._on_failure(exc, records, tag, before)
+            raise exc
+        return after
+
+    def _report_rules(self, p: Pass, log: rules.RuleLog) -> None:
+        if not self.instr.debug_rules:
+            return
+        for rule, hits in log.hit_counts().items():
+            self._emit(f"// rule {rule}: {hits} match(es)")
+        for rule, node, reason in log.misses:
+            self._emit(f"// rule {rule} did not match at {node}: {reason}")
 
     def _instrument_after(self, p: Pass, tag: str, changed: bool, before: str, after: str) -> None:
         instr = self.instr

@@ -1,0 +1,185 @@
+"""The plan of a static pipeline: the contract between the compiler, the manifest and the runtime.
+
+    StaticOptions   what the user asks (names follow NPUW's properties)
+    LengthPlan      the effective lengths: P, R, chunk C, generate sizes, tokens per step G,
+                    with every adjustment made to what was asked
+    KVSpec          one cache tensor as the static models store it (after kv-io)
+    StaticPlan      all three: what `kvc compile` builds, what the manifest's "plan" section
+                    serializes (`to_dict`/`from_dict`, versioned), what a StaticPipeline runs
+
+This module depends on nothing else in kvc but its errors, so passes, export and runtime all
+import it and none of them owns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from kvc.errors import UsageError
+
+PLAN_VERSION = 1
+
+NPUW_ALIGN = 64
+DEFAULT_MAX_PROMPT_LEN = 1024
+DEFAULT_MIN_RESPONSE_LEN = 128
+PYRAMID_BASE = 1024
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """What `kvc compile` asks of the static pipeline (names follow NPUW's properties)."""
+
+    max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN
+    min_response_len: int = DEFAULT_MIN_RESPONSE_LEN
+    prefill_chunk_size: int = 0
+    variants: str | tuple[int, ...] = "single"
+    kv_precision: str = "f32"
+    transpose_v: bool = False
+    slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
+    beam: str = "drop"
+    passes: str | None = None  # the common pipeline as text; default: lift-state
+    attention: str = "grouped"  # "grouped": group-attention rewrites SDPA; "sdpa": kept as is
+
+    def __post_init__(self) -> None:
+        if self.beam != "drop":
+            raise UsageError(
+                f"beam={self.beam} cannot be compiled: the static contract runs batch 1 (REFERENCE.md §4), where "
+                f"beam_idx is always [0] and its Gathers reorder nothing, and an empty prefill past cannot feed "
+                f"them; use beam=drop (the default). Beam reordering stays available on stateful models as the "
+                f"passes lift-state{{beam=keep}} and fuse-kvcache{{beam=indirect}} (kvc passes)")
+
+    def lengths(self) -> "LengthPlan":
+        return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StaticOptions":
+        d = dict(d)
+        if isinstance(d.get("variants"), list):
+            d["variants"] = tuple(d["variants"])
+        return cls(**d)
+
+
+def _align_up(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    """Effective lengths of a static pipeline, with every change from what the user asked."""
+
+    prompt: int  # P
+    response: int  # R
+    chunk: int  # C, 0 without chunked prefill
+    sizes: tuple[int, ...]  # generate variants T1 < ... < Tn (Tn = P + R)
+    tokens: int = 1  # G
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def capacity(self) -> int:
+        return self.sizes[-1]
+
+    def to_dict(self) -> dict:
+        return {"max_prompt_len": self.prompt, "min_response_len": self.response, "prefill_chunk_size": self.chunk,
+                "generate_sizes": list(self.sizes), "tokens_per_step": self.tokens, "capacity": self.capacity,
+                "adjustments": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LengthPlan":
+        return cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(d["generate_sizes"]),
+                   d["tokens_per_step"], tuple(d["adjustments"]))
+
+
+def plan_lengths(max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN, min_response_len: int = DEFAULT_MIN_RESPONSE_LEN,
+                 chunk: int = 0, variants: str | tuple[int, ...] = "single", align: int = NPUW_ALIGN) -> LengthPlan:
+    """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
+    aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
+    explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`."""
+    notes = []
+    if max_prompt_len <= 0 or min_response_len <= 0:
+        raise UsageError(f"max prompt length and min response length must be positive "
+                         f"(got {max_prompt_len} and {min_response_len})")
+    if chunk < 0 or (chunk and chunk & (chunk - 1)):
+        raise UsageError(f"prefill chunk size must be a power of two, got {chunk}")
+    p = _align_up(max_prompt_len, align) if align > 1 else max_prompt_len
+    if p != max_prompt_len:
+        notes.append(f"max prompt length {max_prompt_len} aligned up to {p} (multiple of {align})")
+    if chunk:
+        if chunk > p:
+            raise UsageError(f"prefill chunk size {chunk} exceeds the max prompt length {p}")
+        p2 = _align_up(p, chunk)
+        if p2 != p:
+            notes.append(f"max prompt length {p} aligned up to {p2} (multiple of the chunk size {chunk})")
+        p = p2
+    r = _align_up(min_response_len, align) if align > 1 else min_response_len
+    if r != min_response_len:
+        notes.append(f"min response length {min_response_len} aligned up to {r} (multiple of {align})")
+    total = p + r
+    if variants == "single":
+        sizes = (total,)
+    elif variants == "pyramid":
+        sizes = tuple(sorted({PYRAMID_BASE * 2 ** k + r for k in range(32) if PYRAMID_BASE * 2 ** k + r < total}
+                             | {total}))
+    else:
+        asked = tuple(sorted(set(int(v) for v in variants)))
+        if not asked or asked[0] <= 1:
+            raise UsageError(f"generate variant sizes must be > 1, got {list(asked)}")
+        if asked[-1] > total:
+            raise UsageError(f"generate variant {asked[-1]} exceeds the KV capacity P + R = {p} + {r} = {total}")
+        sizes = tuple(sorted(set(asked) | {total}))
+        if total not in asked:
+            notes.append(f"generate variant {total} (= P + R) added: the largest variant must hold the capacity")
+    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes))
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """One cache tensor as the static models store it (after kv-io)."""
+
+    input: str  # past_key_values.N.key
+    output: str  # present.N.key
+    layer: int
+    kind: str
+    seq_axis: int
+    element_type: str
+    shape: tuple[int, ...]  # with the sequence axis at full capacity (largest variant's past)
+
+    def to_dict(self) -> dict:
+        return {"input": self.input, "output": self.output, "layer": self.layer, "kind": self.kind,
+                "seq_axis": self.seq_axis, "element_type": self.element_type, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVSpec":
+        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """Options, effective lengths and KV layout of one compiled pipeline."""
+
+    options: StaticOptions
+    lengths: LengthPlan
+    kv: tuple[KVSpec, ...]
+
+    @property
+    def kv_element_types(self) -> list[str]:
+        return [k.element_type for k in self.kv]
+
+    def to_dict(self) -> dict:
+        return {"version": PLAN_VERSION, "options": self.options.to_dict(), "lengths": self.lengths.to_dict(),
+                "kv": [k.to_dict() for k in self.kv]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StaticPlan":
+        """The plan a manifest recorded; a KeyError/TypeError/ValueError on malformed input
+        (the manifest reader turns it into an error naming the file)."""
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')!r}, expected {PLAN_VERSION}")
+        return cls(StaticOptions.from_dict(d["options"]), LengthPlan.from_dict(d["lengths"]),
+                   tuple(KVSpec.from_dict(k) for k in d["kv"]))
+
+
+__all__ = ["StaticOptions", "LengthPlan", "KVSpec", "StaticPlan", "plan_lengths", "PLAN_VERSION"]
