@@ -1,6 +1,6 @@
 """Build the static model set of a pipeline: one prefill model and sized generate variants.
 
-    loaded model ──common passes (lift-state, or --passes)──► lifted model
+    loaded model ──common passes (lift-state, dense-experts; or --passes)──► lifted model
                     ├─ static-shape{prefill}    → tail ─► "prefill"
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
@@ -27,6 +27,7 @@ from kvc.ir.bundle import Bundle
 from kvc.ir.kv_discovery import kv_layout
 from kvc.ir.naming import canonicalize_friendly_names
 from kvc.passes import Instrumentation, Pass, PassManager, format_pipeline, parse_pipeline
+from kvc.passes.dense_experts import DenseExperts
 from kvc.passes.group_attention import GroupAttention
 from kvc.passes.kv_io import KVIO
 from kvc.passes.lift_state import LiftState
@@ -49,8 +50,9 @@ class StaticModels:
 
 
 def common_passes(options: StaticOptions) -> list[Pass]:
-    """The passes run once on the loaded model: `--passes` as typed, else lift-state."""
-    return parse_pipeline(options.passes) if options.passes else [LiftState(beam=options.beam)]
+    """The passes run once on the loaded model: `--passes` as typed, else lift-state and
+    dense-experts (kvc.passes.DEFAULT_PIPELINE)."""
+    return parse_pipeline(options.passes) if options.passes else [LiftState(beam=options.beam), DenseExperts()]
 
 
 def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:

@@ -13,11 +13,12 @@ from kvc.passes.framework.base import Pass, PassFailure, PassResult
 from kvc.passes.framework.manager import Instrumentation, PassManager, PipelineRun
 from kvc.passes.framework.registry import format_pipeline, get_pass, parse_pipeline, registered
 
-PASS_MODULES = ("lift_state", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io", "mask_positions", "unmask_pad_rows",
-                 "group_attention")
+PASS_MODULES = ("lift_state", "dense_experts", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io",
+                "mask_positions", "unmask_pad_rows", "group_attention")
 
-# What `kvc compile` runs before static shaping: lift the state into inputs/outputs.
-DEFAULT_PIPELINE = "lift-state"
+# What `kvc compile` runs before static shaping: lift the state into inputs/outputs, and give
+# MoE expert blocks a static shape (a no-op on other models).
+DEFAULT_PIPELINE = "lift-state,dense-experts"
 
 
 @functools.cache

@@ -1,25 +1,37 @@
-"""mask-positions: make a sliding-window attention mask follow positions, not cache slots.
+"""mask-positions: make attention masks and biases follow token positions, not cache slots.
 
-transformers builds its masks from index vectors: ``q_idx = arange(q_len) + past_len`` and
-``kv_idx = arange(kv_len)``, i.e. cache *slots*; a sliding window compares them
-(``kv_idx > q_idx - W``). In a dynamic model slots and positions coincide. The NPU's static
-contract separates them: the past is left-aligned in a buffer longer than it, the new
-token sits in the last slot and the prefill is left-padded, so slot distances are not
-token distances, and a window on slots masks the wrong tokens (a causal-only mask is
-unaffected: slot order is position order, and padding is masked by attention_mask).
+transformers builds masks and position biases from index vectors and tables over cache
+*slots*: ``q_idx = arange(q_len) + past_len``, ``kv_idx = arange(kv_len)``, or a precomputed
+table sliced by slot. In a dynamic model slots and positions coincide. The NPU's static
+contract separates them: the past is left-aligned in a buffer longer than it, the new token
+sits in the last slot and the prefill is left-padded, so slot distances are not token
+distances. A causal-only comparison is unaffected (slot order is position order, and padding
+is masked by attention_mask); anything that measures a distance is wrong. Three rules:
 
-On a static model (batch 1, after static-shape) the rewrite replaces the two vectors by what
-they stand for:
+* ``mask-positions/index-compare`` (sliding windows as transformers writes them, e.g.
+  Mistral): a comparison (Greater/Less[Equal]) of the q and kv index vectors, found up
+  through Unsqueeze, Reshape, Squeeze, Convert and constant offsets. When some comparison
+  offsets an index by a constant (a window), every such comparison gets
 
-    q_idx  <- position_ids[0]                                (this step's positions)
-    kv_idx <- concat(arange(past_len), position_ids[0])      (left-aligned past, then this step)
+      q_idx  <- position_ids[0]                              (this step's positions)
+      kv_idx <- concat(arange(past_len), position_ids[0])    (left-aligned past, then this step)
 
-Vectors are found from the mask comparisons (Greater/Less[Equal]; the rule
-`mask-positions/index-compare`) up through Unsqueeze,
-Reshape, Convert and constant offsets, and replaced on those comparison paths only: the
-padding lookup ``attention_mask[kv_idx]`` indexes slots and keeps the slot vector. The pass
-applies only when some comparison offsets an index by a constant (a window), and leaves
-other models unchanged.
+  on its comparison paths only (the padding lookup ``attention_mask[kv_idx]`` indexes slots
+  and keeps the slot vector).
+* ``mask-positions/band-table`` (GPT-Neo's local layers): a constant boolean ``bias[M, M]``
+  that is not plain causal (causal XOR causal shifted by the window), sliced
+  ``bias[kv - q : kv, :kv]`` (row = query slot, column = key slot), becomes
+  ``bias[q_pos][:, kv_pos]`` (two Gathers). A plain ``tril`` keeps its Slice.
+* ``mask-positions/right-aligned-table`` (MPT's ALiBi): a table computed from constants only,
+  whose last ``kv`` entries are taken along one axis (``table[..., M - kv:]``, e.g.
+  ``slopes * arange(1 - M, 1)``): indexed by a key slot's distance from the newest slot. It
+  becomes ``table[..., M - 1 - (p_last - p_k)]`` with key positions ``p = cumsum(mask) - 1``,
+  which under the static contract are the token positions of every valid slot and never
+  exceed ``p_last`` on pad slots (the index stays in range; pad slots are masked anyway).
+
+Positions come from ``position_ids`` when the model has it, else from the attention mask
+(``cumsum(mask) - 1``: ALiBi models without position_ids). Models with none of these
+patterns are left unchanged.
 """
 
 from __future__ import annotations
@@ -87,48 +99,45 @@ def _length(out: ov.Output) -> int | None:
     return None
 
 
-@register_pass
-@dataclass(frozen=True)
-class MaskPositions(Pass):
-    """Rewrite slot-index sliding-window masks to position-based ones (static batch-1 models)."""
+def _const_ints(out: ov.Output) -> list[int] | None:
+    node = out.get_node()
+    if node.get_type_name() != "Constant":
+        return None
+    return [int(v) for v in np.asarray(node.get_data()).reshape(-1)]
 
-    name: ClassVar[str] = "mask-positions"
 
-    requires: ClassVar[tuple[str, ...]] = ("static",)
+def _constant_expr(out: ov.Output, limit: int = 64) -> bool:
+    """Whether `out` depends on no input or state (a table OpenVINO could fold), looking at
+    most `limit` nodes up."""
+    stack, seen = [out.get_node()], set()
+    while stack:
+        node = stack.pop()
+        if node.get_type_name() in ("Parameter", "ReadValue") or len(seen) > limit:
+            return False
+        if node.get_friendly_name() in seen:
+            continue
+        seen.add(node.get_friendly_name())
+        stack.extend(v.get_node() for v in node.input_values())
+    return True
 
-    def run(self, model: ov.Model) -> PassResult:
-        ports = {p.get_any_name(): p for p in model.inputs}
-        if "position_ids" not in ports or "input_ids" not in ports and "inputs_embeds" not in ports:
-            return PassResult(model, False)
-        pos_port = ports["position_ids"]
-        steps = pos_port.get_shape()[-1]
-        mask_len = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else steps
-        rule = Rule("mask-positions/index-compare", anchors=tuple(sorted(_COMPARE)),
-                    match=lambda node: _index_compare(node, steps, mask_len))
-        found = rule.matches(model.get_ordered_ops())
-        if not any(offset for *_, offset in found):
-            log.debug("mask-positions: no sliding-window comparison found; unchanged")
-            return PassResult(model, False)
-        positions = ops.reshape(pos_port, ops.constant(np.array([steps], np.int64)), False)
-        positions.set_friendly_name("mask_positions/q")
-        past = ops.range(ops.constant(np.int64(0)), ops.constant(np.int64(mask_len - steps)),
-                         ops.constant(np.int64(1)), output_type="i64")
-        kv_positions = ops.concat([past, positions], 0)
-        kv_positions.set_friendly_name("mask_positions/kv")
-        for node, q_side, sides, _ in found:
-            for i, (src, path, _) in enumerate(sides):
-                new_src = positions if i == q_side else kv_positions
-                new_src = ops.convert(new_src, src.get_element_type()).output(0)
-                node.input(i).replace_source_output(_rebuild(path, new_src))
-            log.debug("mask-positions: %s now compares positions", describe_node(node))
-        model.validate_nodes_and_infer_types()
-        return PassResult(model, True)
+
+def _slice_axes(node: ov.Node) -> tuple[list[int], list[int]]:
+    """(normalized axes, steps) of a Slice with constant axes and steps."""
+    rank = node.get_input_partial_shape(0).rank
+    if rank.is_dynamic:
+        raise NoMatch("its input has a dynamic rank")
+    r = rank.get_length()
+    steps = _const_ints(node.input_value(3))
+    axes = _const_ints(node.input_value(4)) if node.get_input_size() > 4 else list(range(len(steps or [])))
+    if steps is None or axes is None:
+        raise NoMatch("its steps or axes are not constants")
+    return [a % r for a in axes], steps
 
 
 def _index_compare(node: ov.Node, steps: int, mask_len: int):
     """A comparison of the q index vector (this step's length) with the kv one (the mask's):
-    (node, which side is q, both sides as (vector, path, offset crossed), whether any side
-    is offset by a constant, i.e. a window)."""
+    (node, which side is q, both sides as (vector, path, offset crossed), whether a side is
+    offset by a constant, i.e. a window)."""
     sides = [_index_source(node.input_value(i)) for i in (0, 1)]
     lengths = [_length(src) for src, _, _ in sides]
     if None in lengths or not all(src.get_element_type().is_integral() for src, _, _ in sides):
@@ -140,3 +149,123 @@ def _index_compare(node: ov.Node, steps: int, mask_len: int):
     # where both become the positions anyway).
     q_side = 0 if lengths[0] == steps and (lengths[0] != lengths[1] or sides[0][2]) else 1
     return node, q_side, sides, sides[0][2] or sides[1][2]
+
+
+def _band_table(node: ov.Node, steps: int, mask_len: int) -> ov.Node:
+    """A Slice of a constant [.., M, M] boolean table that is not plain causal, over its last
+    two axes, to [.., steps, mask_len]: rows are query slots, columns key slots."""
+    src = node.input_value(0).get_node()
+    if src.get_type_name() != "Constant" or src.get_output_element_type(0) != ov.Type.boolean:
+        raise NoMatch("it does not slice a boolean constant")
+    axes, step = _slice_axes(node)
+    shape, out = list(src.get_output_shape(0)), node.get_output_partial_shape(0)
+    r = len(shape)
+    if r < 2 or sorted(axes) != [r - 2, r - 1] or set(step) != {1} or shape[-1] != shape[-2]:
+        raise NoMatch(f"it is not a step-1 slice of a square table over its last two axes (table {shape})")
+    if not out.is_static or list(out.to_shape())[-2:] != [steps, mask_len]:
+        raise NoMatch(f"its output {out} is not [.., {steps}, {mask_len}] (this step's rows, the mask's columns)")
+    table = np.asarray(src.get_data()).reshape(-1, shape[-2], shape[-1])
+    if np.array_equal(table, np.broadcast_to(np.tril(np.ones(shape[-2:], bool)), table.shape)):
+        raise NoMatch("the table is plain causal (tril): slot order is position order")
+    return node
+
+
+def _right_aligned_table(node: ov.Node, mask_len: int) -> tuple[ov.Node, int]:
+    """A Slice `table[..., M - mask_len:]` (to the end, step 1, one axis) of a table computed
+    from constants only: (the Slice, its axis)."""
+    axes, step = _slice_axes(node)
+    if len(axes) != 1 or step != [1]:
+        raise NoMatch("it is not a step-1 slice along one axis")
+    axis = axes[0]
+    src_shape, out_shape = node.get_input_partial_shape(0), node.get_output_partial_shape(0)
+    if not (src_shape[axis].is_static and out_shape.rank.is_static and out_shape[axis].is_static):
+        raise NoMatch("its sliced axis is not static")
+    table_len, stop = src_shape[axis].get_length(), _const_ints(node.input_value(2))
+    if out_shape[axis].get_length() != mask_len or table_len < mask_len:
+        raise NoMatch(f"it takes {out_shape[axis].get_length()} of {table_len} entries, not the mask's {mask_len}")
+    if stop is None or stop[0] < table_len:
+        raise NoMatch("it does not run to the end of the table")
+    if not _constant_expr(node.input_value(0)):
+        raise NoMatch("the table depends on an input")
+    return node, axis
+
+
+@register_pass
+@dataclass(frozen=True)
+class MaskPositions(Pass):
+    """Rewrite slot-indexed masks and position biases to token positions (static batch-1 models)."""
+
+    name: ClassVar[str] = "mask-positions"
+    requires: ClassVar[tuple[str, ...]] = ("static",)
+
+    def run(self, model: ov.Model) -> PassResult:
+        ports = {p.get_any_name(): p for p in model.inputs}
+        token = ports.get("position_ids") or ports.get("input_ids") or ports.get("inputs_embeds")
+        if token is None or ("position_ids" not in ports and "attention_mask" not in ports):
+            return PassResult(model, False)
+        steps = token.get_shape()[1]
+        mask_len = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else steps
+        nodes = model.get_ordered_ops()
+        compares = []
+        if "position_ids" in ports:
+            compares = Rule("mask-positions/index-compare", anchors=tuple(sorted(_COMPARE)),
+                            match=lambda n: _index_compare(n, steps, mask_len)).matches(nodes)
+            if not any(windowed for *_, windowed in compares):
+                compares = []  # causal-only comparisons mean the same on slots and positions
+        bands = Rule("mask-positions/band-table", anchors=("Slice",),
+                     match=lambda n: _band_table(n, steps, mask_len)).matches(nodes)
+        right = []
+        if "attention_mask" in ports:
+            right = Rule("mask-positions/right-aligned-table", anchors=("Slice",),
+                         match=lambda n: _right_aligned_table(n, mask_len)).matches(nodes)
+        if not (compares or bands or right):
+            log.debug("mask-positions: no slot-indexed window or table; unchanged")
+            return PassResult(model, False)
+        positions, kv_positions, counts, mask = _positions(ports, steps, mask_len, need_counts=bool(right))
+        for node, q_side, sides, _ in compares:
+            for i, (src, path, _) in enumerate(sides):
+                new_src = positions if i == q_side else kv_positions
+                new_src = ops.convert(new_src, src.get_element_type()).output(0)
+                node.input(i).replace_source_output(_rebuild(path, new_src))
+            log.debug("mask-positions: %s now compares positions", describe_node(node))
+        for node in bands:
+            rank = node.get_output_partial_shape(0).rank.get_length()
+            rows = ops.gather(node.input_value(0), positions, ops.constant(np.int64(rank - 2)))
+            table = ops.gather(rows, kv_positions, ops.constant(np.int64(rank - 1)))
+            table.set_friendly_name(f"{node.get_friendly_name()}/by_position")
+            node.output(0).replace(table.output(0))
+            log.debug("mask-positions: %s now looks its table up by position", describe_node(node))
+        for node, axis in right:
+            # slot k's entry M - kv + k (its distance from the newest slot) becomes
+            # M - 1 - (p_last - p_k) = counts_k - total + M - 1 (counts_last = total).
+            table_len = node.get_input_partial_shape(0)[axis].get_length()
+            total = ops.reduce_sum(mask, ops.constant(np.int64(0)), keep_dims=True)
+            index = ops.add(ops.subtract(counts, total), ops.constant(np.array([table_len - 1], np.int64)))
+            gathered = ops.gather(node.input_value(0), index, ops.constant(np.int64(axis)))
+            gathered.set_friendly_name(f"{node.get_friendly_name()}/by_position")
+            node.output(0).replace(gathered.output(0))
+            log.debug("mask-positions: %s now indexes its table by position distance", describe_node(node))
+        model.validate_nodes_and_infer_types()
+        return PassResult(model, True)
+
+
+def _positions(ports: dict, steps: int, mask_len: int, need_counts: bool):
+    """(q positions [steps], kv positions [mask_len], counts = cumsum(mask) or None, mask or None)."""
+    counts = mask = None
+    if need_counts or "position_ids" not in ports:
+        mask = ops.reshape(ops.convert(ports["attention_mask"], "i64"), ops.constant(np.array([mask_len], np.int64)),
+                           False)
+        counts = ops.cumsum(mask, ops.constant(np.int64(0)))  # valid slots up to and including k
+        counts.set_friendly_name("mask_positions/counts")
+    if "position_ids" in ports:
+        positions = ops.reshape(ports["position_ids"], ops.constant(np.array([steps], np.int64)), False)
+        past = ops.range(ops.constant(np.int64(0)), ops.constant(np.int64(mask_len - steps)),
+                         ops.constant(np.int64(1)), output_type="i64")
+        kv_positions = ops.concat([past, positions], 0)
+    else:  # p_k = counts_k - 1
+        kv_positions = ops.subtract(counts, ops.constant(np.array([1], np.int64)))
+        positions = ops.slice(kv_positions, ops.constant(np.array([mask_len - steps], np.int64)),
+                              ops.constant(np.array([mask_len], np.int64)), ops.constant(np.array([1], np.int64)))
+    positions.set_friendly_name("mask_positions/q")
+    kv_positions.set_friendly_name("mask_positions/kv")
+    return positions, kv_positions, counts, mask

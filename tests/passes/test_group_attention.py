@@ -68,7 +68,7 @@ def test_matches_the_specification(causal, mask, scale):
 
 @pytest.mark.parametrize("name", fixture_names())
 def test_static_generate_step_unchanged_on_fixtures(name):
-    spec = "lift-state,static-shape{kind=generate,size=96},mask-positions,unmask-pad-rows"
+    spec = "lift-state,dense-experts,static-shape{kind=generate,size=96},mask-positions,unmask-pad-rows"
     model = PassManager(parse_pipeline(spec), use_env=False).run(ir.load(fixtures.path(name))).model
     grouped = PassManager(parse_pipeline("group-attention"), use_env=False).run(model.clone()).model
     rng = np.random.default_rng(1)

@@ -50,7 +50,7 @@ def test_plan_variants():
 def test_prefill_shapes(fixture_name):
     cfg = fixtures.goldens(fixture_name)["config"]
     heads = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
-    model = run(fixture_name, "lift-state,static-shape{kind=prefill,prompt=64},mask-positions,kv-io")
+    model = run(fixture_name, "lift-state,dense-experts,static-shape{kind=prefill,prompt=64},mask-positions,kv-io")
     ins = shapes(model.inputs)
     assert ins["input_ids"] == ([1, 64], "i64") and ins["attention_mask"] == ([1, 64], "i64")
     assert not any(n.startswith("past_key_values") for n in ins), "empty past inputs are removed"
@@ -60,11 +60,11 @@ def test_prefill_shapes(fixture_name):
 
 
 def test_chunked_prefill_and_generate_shapes(fixture_name):
-    chunked = run(fixture_name, "lift-state,static-shape{kind=prefill,prompt=64,chunk=16},kv-io")
+    chunked = run(fixture_name, "lift-state,dense-experts,static-shape{kind=prefill,prompt=64,chunk=16},kv-io")
     ins, outs = shapes(chunked.inputs), shapes(chunked.outputs)
     assert ins["input_ids"][0] == [1, 16] and ins["attention_mask"][0] == [1, 64]
     assert ins["past_key_values.1.value"][0][2] == 48 and outs["present.1.value"][0][2] == 16
-    gen = run(fixture_name, "lift-state,static-shape{kind=generate,size=96},kv-io{kv_type=f16,transpose_v=true}")
+    gen = run(fixture_name, "lift-state,dense-experts,static-shape{kind=generate,size=96},kv-io{kv_type=f16,transpose_v=true}")
     ins, outs = shapes(gen.inputs), shapes(gen.outputs)
     assert ins["input_ids"][0] == [1, 1] and ins["attention_mask"][0] == [1, 96]
     assert ins["past_key_values.0.key"][0][2] == 95 and ins["past_key_values.0.key"][1] == "f16"
@@ -74,13 +74,13 @@ def test_chunked_prefill_and_generate_shapes(fixture_name):
 
 
 def test_prefill_logits_sliced_to_last_position():
-    model = run("llama", "lift-state,static-shape{kind=prefill,prompt=64},kv-io{slice_logits=true}")
+    model = run("llama", "lift-state,dense-experts,static-shape{kind=prefill,prompt=64},kv-io{slice_logits=true}")
     assert shapes(model.outputs)["logits"][0] == [1, 1, 384]
 
 
 def test_every_static_model_compiles_for_cpu(fixture_name):
     for spec in ("static-shape{kind=prefill,prompt=64}", "static-shape{kind=generate,size=96}"):
-        ir.core().compile_model(run(fixture_name, f"lift-state,{spec},mask-positions,kv-io,lower-kvcache"), "CPU")
+        ir.core().compile_model(run(fixture_name, f"lift-state,dense-experts,{spec},mask-positions,kv-io,lower-kvcache"), "CPU")
 
 
 def test_stateful_model_is_refused():
@@ -97,11 +97,64 @@ def test_unknown_dynamic_input_fails_preflight_naming_it():
         PassManager(parse_pipeline("static-shape{kind=generate,size=96}"), use_env=False).run(model)
 
 
-def test_mask_positions_applies_only_to_sliding_windows():
-    def changed(name):
-        m = run(name, "lift-state,static-shape{kind=generate,size=96}")
-        return PassManager(parse_pipeline("mask-positions"), use_env=False).run(m).records[0].modified
-    assert changed("mistral") and not changed("llama")
+def _mask_positions(name):
+    m = run(name, "lift-state,dense-experts,static-shape{kind=generate,size=96}")
+    return PassManager(parse_pipeline("mask-positions"), use_env=False).run(m).records[0]
+
+
+def test_mask_positions_applies_only_to_slot_indexed_masks_and_biases():
+    """Each of its rules fires where the export measures a distance on cache slots, and
+    nothing changes where slot order is all that matters."""
+    hits = {name: (r.modified, r.rule_hits) for name in ("mistral", "gpt_neo", "mpt", "llama", "bloom")
+            for r in [_mask_positions(name)]}
+    assert hits["mistral"] == (True, {"mask-positions/index-compare": 2})  # sliding window + causal
+    assert hits["gpt_neo"][0] and hits["gpt_neo"][1]["mask-positions/band-table"] == 1  # the local layer only
+    assert hits["mpt"] == (True, {"mask-positions/right-aligned-table": 1})  # one ALiBi table for all layers
+    assert hits["llama"] == (False, {"mask-positions/index-compare": 1})  # causal only: kept
+    assert hits["bloom"] == (False, {})  # ALiBi from cumsum(attention_mask) already follows positions
+
+
+def test_mask_positions_says_why_a_causal_band_table_is_kept():
+    misses = [m for m in _mask_positions("gpt_neo").rule_misses if m[0] == "mask-positions/band-table"]
+    assert any("plain causal (tril): slot order is position order" in reason for _, _, reason in misses)
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "mpt"])
+def test_without_mask_positions_the_static_models_compute_something_else(name, monkeypatch):
+    """The rules are what makes these models right under the static contract: the same
+    pipeline without mask-positions diverges from the stateful model."""
+    import kvc.export.build as build
+    from kvc.passes.mask_positions import MaskPositions
+    from kvc.plan import StaticOptions
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import NumpySession, open_session
+    from kvc.runtime.static_pipeline import StaticPipeline
+
+    real = build.branch_passes
+    monkeypatch.setattr(build, "branch_passes", lambda options: {
+        branch: [p for p in passes if not isinstance(p, MaskPositions)] for branch, passes in real(options).items()})
+    static = build.build_static(ir.load(fixtures.path(name)), StaticOptions(64, 64, kv_precision="f32"), use_env=False)
+    pipe = StaticPipeline(NumpySession(static.models["prefill"]),
+                          {size: NumpySession(static.models[n]) for size, n in static.generate_names.items()},
+                          static.plan)
+    prompt = fixtures.goldens(name)["prompts"][2]["ids"]  # the long prompt, past the window
+    ref = greedy(open_session(fixtures.path(name), "openvino"), prompt, 8)
+    assert pipe.generate(prompt, 8).tokens != ref.tokens
+
+
+def test_dense_experts_rewrites_every_expert_block_exactly():
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import open_session
+
+    model = ir.load(fixtures.path("granitemoe"))
+    reference = greedy(open_session(model.clone(), "openvino"), fixtures.goldens("granitemoe")["prompts"][1]["ids"], 8)
+    dense = PassManager(parse_pipeline("dense-experts"), use_env=False).run(model)
+    assert dense.records[0].rule_hits == {"dense-experts/expert-blocks": 4}  # input and output linear, 2 layers
+    got = greedy(open_session(dense.model, "openvino"), fixtures.goldens("granitemoe")["prompts"][1]["ids"], 8)
+    assert got.tokens == reference.tokens
+    np.testing.assert_array_equal(got.logits[0], reference.logits[0])  # Select copies: bit-exact
+    assert PassManager(parse_pipeline("dense-experts"), use_env=False).run(
+        ir.load(fixtures.path("llama"))).records[0].modified is False
 
 
 def test_static_golden_ir(golden):
