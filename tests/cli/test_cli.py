@@ -297,3 +297,28 @@ def test_installed_console_script_compile_run_verify(tmp_path):
                          "--json"))
     assert data["tokens"] == golden["tokens"]["openvino"]
     assert "verification: OK" in sh("verify", out, "--backends", "numpy,openvino", "--max-new-tokens", "8")
+
+
+def test_compile_debug_rules_prints_matches_and_misses(tmp_path):
+    result = kvc("compile", fixtures.path("mistral"), "-o", tmp_path / "out", *SMALL, "--no-verify", "--debug-rules")
+    assert "// rule mask-positions/index-compare: 2 match(es)" in result.output
+    assert "// rule unmask-pad-rows/bool-mask did not match at ScaledDotProductAttention" in result.output
+    assert "the mask is f32, not boolean" in result.output
+
+
+def test_pass_plugins_load_from_entry_points(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from kvc.errors import UsageError
+    from kvc.passes.framework import plugins
+
+    (tmp_path / "kvc_ep_plugin.py").write_text(PLUGIN.replace("plugin-scale-logits", "ep-scale-logits"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib.metadata.EntryPoint("ep-scale-logits", "kvc_ep_plugin", plugins.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [ep] if group == plugins.ENTRY_POINT_GROUP else [])
+    assert plugins.load_entry_points() == ["ep-scale-logits"]
+    assert "ep-scale-logits: Plugin test: doubles the logits." in kvc("passes").output
+    broken = importlib.metadata.EntryPoint("broken", "no_such_module_kvc", plugins.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken])
+    with pytest.raises(UsageError, match="entry point broken = no_such_module_kvc failed to load: ModuleNotFoundError"):
+        plugins.load_entry_points()
