@@ -15,7 +15,9 @@ run on the same probes; a failure of either publishes nothing.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,30 +74,78 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
         device_config(device, for_export=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_interrupted(out, progress)
     if out.exists() and not options.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = temp_dir(out.parent, f".{out.name}.partial-")
+    work = temp_dir(out.parent, f".{out.name}.partial-{os.getpid()}-")
     try:
         manifest = _compile_into(model_path, work, options, progress)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
-        _publish(work, out)
+        _publish(work, out, options.force)
         return manifest
+    except BaseException:
+        if options.dumps and (work / "dumps").is_dir():  # asked for: kept, and said where
+            kept = out.with_name(f"{out.name}.failed-dumps")
+            shutil.rmtree(kept, ignore_errors=True)
+            os.replace(work / "dumps", kept)
+            progress(f"dumps of the failed compile: {kept}")
+        raise
     finally:
         if work.exists():
             shutil.rmtree(work)
 
 
-def _publish(work: Path, out: Path) -> None:
-    """Rename the finished directory into place (replacing an old one only at the very end)."""
+def _publish(work: Path, out: Path, force: bool) -> None:
+    """Rename the finished directory into place (replacing an old one only at the very end,
+    and only with --force: a directory another compile published meanwhile is kept, and this
+    one fails; rename(2) refuses to replace a non-empty directory, atomically)."""
     old = None
     if out.exists():
+        if not force:
+            raise UsageError(f"{out} was created by another process during this compile; it was kept "
+                             f"and this compile's output discarded (pass --force to replace it)")
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
-    os.replace(work, out)
+    try:
+        os.rename(work, out)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise UsageError(f"{out} was created by another process during this compile; it was kept "
+                         f"and this compile's output discarded") from None
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)(?:-.*)?")
+
+
+def _clean_interrupted(out: Path, progress) -> None:
+    """Remove what a compile to `out` that was killed left beside it (its process is gone):
+    a partial work directory, or the previous result it was replacing, which is put back when
+    `out` itself is missing. Each is said."""
+    for path in sorted(out.parent.glob(f".{out.name}.*-*")):
+        m = _LEFTOVER.fullmatch(path.name)
+        if not m or m["name"] != out.name or _alive(int(m["pid"])):
+            continue
+        if ".old-" in path.name and not out.exists():
+            os.replace(path, out)
+            progress(f"restored {out} from {path.name}, left by an interrupted compile (process {m['pid']})")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            progress(f"removed {path.name}, left by an interrupted compile (process {m['pid']})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress) -> dict:

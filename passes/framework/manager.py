@@ -10,8 +10,8 @@ Instrumentation, all off by default, follows MLIR's ``--mlir-print-ir-before/aft
   a one-line status if unchanged) and ``NNN-<pass>.diff``, an ``index.json`` (pass, options,
   changed, op-count deltas; deterministic) and ``timings.json`` (wall time; not);
 * on failure: the error names the pass, the node and the reason, lists the passes that ran
-  before, and the IR before the failing pass is written out (to the dump directory, or to
-  a temporary directory whose path the error gives).
+  before, and the IR before the failing pass is written to the dump directory when there is
+  one (the error gives its path; without one it says how to get it, and writes nothing).
 
 Library users get the same through environment variables (`Instrumentation.from_env`):
 ``KVC_PRINT_IR_BEFORE``, ``KVC_PRINT_IR_AFTER`` (globs, comma-separated),
@@ -31,7 +31,6 @@ import fnmatch
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,12 +225,10 @@ class PassManager:
         if self.instr.dump_dir is not None:
             path = Path(self.instr.dump_dir) / f"{tag}.failed-input.txt"
             self._dump(path.name, text_before)
-        else:
-            fd, name = tempfile.mkstemp(prefix=f"kvc-{tag}-", suffix=".failed-input.txt")
-            os.close(fd)
-            path = Path(name)
-            path.write_text(text_before)
-        exc.add_context(f"IR before the failing pass: {path}")
+            exc.add_context(f"IR before the failing pass: {path}")
+        else:  # nothing is written where nobody asked for it
+            exc.add_context("to keep the IR before the failing pass, run again with --dump-dir DIR "
+                            "(or KVC_DUMP_DIR=DIR)")
 
 
 __all__ = ["PassManager", "Instrumentation", "PassRecord", "PipelineRun"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -144,6 +145,70 @@ def test_force_replaces_only_when_complete(tmp_path):
         compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, devices=("TPU",), force=True))
     assert (out / "manifest.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_leftovers_of_a_killed_compile_are_cleaned_and_said(tmp_path):
+    out = tmp_path / "out"
+    pid = _dead_pid()
+    partial = tmp_path / f".out.partial-{pid}-abc123"
+    (partial / "dumps").mkdir(parents=True)
+    alive = tmp_path / f".out.partial-{os.getpid()}-xyz"  # a compile still running: left alone
+    alive.mkdir()
+    said = []
+    compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False), progress=said.append)
+    assert not partial.exists() and alive.exists() and (out / "manifest.json").is_file()
+    assert f"removed .out.partial-{pid}-abc123, left by an interrupted compile (process {pid})" in said
+
+
+def test_a_result_being_replaced_when_killed_is_put_back(tmp_path):
+    out = tmp_path / "out"
+    compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+    pid = _dead_pid()
+    os.replace(out, tmp_path / f".out.old-{pid}")  # killed between the two renames of _publish
+    said = []
+    with pytest.raises(UsageError, match="exists; pass --force"):
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False), progress=said.append)
+    assert (out / "manifest.json").is_file() and not (tmp_path / f".out.old-{pid}").exists()
+    assert any(line.startswith(f"restored {out} from .out.old-{pid}") for line in said)
+
+
+def test_an_out_published_meanwhile_by_another_compile_is_kept(tmp_path, monkeypatch):
+    import kvc.export.compile as compile_module
+
+    out = tmp_path / "out"
+    real = compile_module._compile_into
+
+    def racing(model_path, work, options, progress):
+        manifest = real(model_path, work, options, progress)
+        out.mkdir()
+        (out / "theirs").write_text("the other compile's result")
+        return manifest
+
+    monkeypatch.setattr(compile_module, "_compile_into", racing)
+    with pytest.raises(UsageError, match="was created by another process during this compile; it was kept"):
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+    assert [p.name for p in out.iterdir()] == ["theirs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_dumps_of_a_failed_compile_are_kept_where_said(tmp_path, monkeypatch):
+    import kvc.verify.compiled as checks
+
+    monkeypatch.setattr(checks, "verify_static", lambda *a, **k: {
+        "against": "test", "ok": False, "results": [{"ok": False, "prompt_tokens": 7, "reason": "forced"}]})
+    said = []
+    with pytest.raises(VerificationError):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL, dumps=True), progress=said.append)
+    kept = tmp_path / "out.failed-dumps"
+    assert f"dumps of the failed compile: {kept}" in said
+    assert (kept / "common" / "index.json").is_file() and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.failed-dumps"]
 
 
 _COMPILE = ("import sys; from kvc import fixtures; from kvc.plan import StaticOptions; "

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -124,11 +125,17 @@ def test_failure_context_and_dump(tmp_path):
     assert info.value.exit_code == 6
 
 
-def test_failure_without_dump_dir_writes_a_temp_file():
-    with pytest.raises(PassFailure) as info:
-        PassManager(parse_pipeline("lift-state"), use_env=False).run(kv_model(KV_IDS[:1], assign_other_variable=True))
-    path = str(info.value).rsplit("IR before the failing pass: ", 1)[1].strip()
-    assert open(path).read().startswith("# kvc ir text v1")
+def test_failure_without_dump_dir_writes_nothing_and_says_how(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        with pytest.raises(PassFailure) as info:
+            PassManager(parse_pipeline("lift-state"), use_env=False).run(
+                kv_model(KV_IDS[:1], assign_other_variable=True))
+    finally:
+        tempfile.tempdir = None
+    assert "run again with --dump-dir DIR (or KVC_DUMP_DIR=DIR)" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- invariants, honesty, rules ---------------------------------------------------------------
