@@ -25,7 +25,15 @@ def resolve_model(model: str | None) -> Path:
 
 
 def progress(message: str) -> None:
-    click.echo(f"[kvc] {message}", err=True)
+    """A progress line on stderr. A reader that went away (`kvc compile ... 2>&1 | head`) must
+    not stop the work: the rest of the progress goes to /dev/null and the command finishes."""
+    try:
+        click.echo(f"[kvc] {message}", err=True)
+    except BrokenPipeError:
+        import os
+        import sys
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 def parse_variants(text: str) -> str | tuple[int, ...]:

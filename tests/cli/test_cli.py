@@ -322,3 +322,15 @@ def test_pass_plugins_load_from_entry_points(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [broken])
     with pytest.raises(UsageError, match="entry point broken = no_such_module_kvc failed to load: ModuleNotFoundError"):
         plugins.load_entry_points()
+
+
+def test_a_reader_that_goes_away_does_not_stop_a_compile(tmp_path):
+    """`kvc compile ... 2>&1 | head -1`: the compile still finishes and publishes its output."""
+    exe = shutil.which("kvc", path=os.path.dirname(sys.executable))
+    out = tmp_path / "out"
+    child = subprocess.Popen([exe, "compile", str(fixtures.path("llama")), "-o", str(out), *SMALL, "--no-verify"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert child.stdout.readline().startswith(b"[kvc] ")
+    child.stdout.close()  # the reader leaves
+    assert child.wait(timeout=300) == 0
+    assert (out / "manifest.json").is_file()
