@@ -13,7 +13,7 @@ its init input when the variable is empty; Assigns take effect when the call fin
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -28,6 +28,54 @@ from kvc.runtime.ops.lowbit import constant_array
 # Ops the interpreter itself implements (they touch inputs, outputs or state).
 _BUILTIN = {"Parameter", "Result", "Constant", "ReadValue", "Assign"}
 _STATEFUL = {"ReadValue", "Assign"}
+# Weight decompression (NNCF's int8/int4 weights, as OpenVINO's MarkDequantization matches it):
+# an integer Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape ...] ->
+# Convert to f32. NNCF computes it in f16 (f16 scales), but OpenVINO's plugins fuse it into the
+# MatMul/Gather and dequantize in f32 (the CPU plugin at f32 inference precision does not round
+# to f16 in between), so kvc computes such a subgraph in f32 too.
+_DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape", "Transpose", "Unsqueeze", "Squeeze"}
+_LOW_BIT = {"u8", "i8", "u4", "i4", "u2", "u1"}
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def decompression_nodes(model: ov.Model) -> set:
+    """The f16 nodes of weight-decompression subgraphs that end in a Convert to f32: each is
+    constant-only, made of `_DECOMPRESSION_OPS`, starts from a low-bit integer Constant, and
+    used only inside the subgraph (so no f16 value computed in f32 escapes it)."""
+    found = set()
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Convert" or op.get_output_element_type(0).get_type_name() != "f32" \
+                or op.get_input_element_type(0).get_type_name() != "f16":
+            continue
+        inner, stack, low_bit, ok = set(), [op.input_value(0).get_node()], False, True
+        while stack and ok:
+            node = stack.pop()
+            if node in inner:
+                continue
+            tname = node.get_type_name()
+            if tname == "Constant":
+                low_bit |= node.get_output_element_type(0).get_type_name() in _LOW_BIT
+                continue
+            if tname not in _DECOMPRESSION_OPS:
+                ok = False
+                break
+            inner.add(node)
+            stack.extend(i.get_source_output().get_node() for i in node.inputs())
+        if not ok or not low_bit:
+            continue
+        users = {t.get_node() for n in inner for o in n.outputs() for t in o.get_target_inputs()}
+        if users <= inner | {op}:
+            found |= {n for n in inner if n.get_output_element_type(0).get_type_name() == "f16"}
+    return found
+
+
+def _in_f32(spec):
+    """`spec` with f16 inputs and outputs read as f32."""
+    return replace(spec, input_types=tuple(_F32 if t == _F16 else t for t in spec.input_types),
+                   output_types=tuple(_F32 if t == _F16 else t for t in spec.output_types),
+                   output_etypes=tuple("f32" if t == "f16" else t for t in spec.output_etypes))
+
+
 # Folding a constant subgraph whose result is larger than this would copy weights for
 # nothing (e.g. a Broadcast of a scalar); above it, the op runs at inference time.
 _FOLD_LIMIT_BYTES = 64 << 20
@@ -134,6 +182,7 @@ class Interpreter:
                 out.append(slot[(node, port)])
             return tuple(out)
 
+        in_f32 = decompression_nodes(self.model)
         for node in ops:
             tname = node.get_type_name()
             ins = tuple(slot[(i.get_source_output().get_node(), i.get_source_output().get_index())]
@@ -153,7 +202,8 @@ class Interpreter:
                 new_slots(node)
                 steps.append((self._assign(node), ins, (), node))
             else:
-                kernel = lookup(tname, node.get_type_info().version_id)(spec_of(node))
+                spec = spec_of(node)
+                kernel = lookup(tname, node.get_type_info().version_id)(_in_f32(spec) if node in in_f32 else spec)
                 outs = new_slots(node)
                 if fold and ins and all(i in consts for i in ins):
                     folded = self._try_fold(kernel, [consts[i] for i in ins], node)

@@ -61,12 +61,19 @@ def results(junit: Path) -> dict[str, dict[str, list]]:
 
 
 def fixture_rows() -> dict[str, tuple[str, str]]:
-    """fixture -> (architecture, what it covers), from the table in fixtures/README.md."""
+    """fixture -> (architecture, what it covers), from the table in fixtures/README.md; the
+    compressed fixtures (fixtures/compress.py) are their base's architecture."""
+    from kvc import fixtures
+
     rows = {}
     for line in (ROOT / "fixtures" / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 7 and cells[0].startswith("`"):
             rows[cells[0].strip("`")] = (cells[1], cells[6])
+    for name in fixtures.COMPRESSED:
+        golden = fixtures.goldens(name)
+        base, mode = golden["base"], golden["compression"]["mode"]
+        rows[name] = (rows[base][0], f"`{base}` through NNCF compress_weights ({mode})")
     return rows
 
 

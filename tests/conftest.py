@@ -39,9 +39,11 @@ def tiny() -> ov.Model:
     return tiny_model()
 
 
-def fixture_names() -> list[str]:
-    """Every fixture; a missing one fails its tests rather than silently skipping them."""
-    return list(fixtures.MODELS)
+def fixture_names(compressed: bool = False) -> list[str]:
+    """Every fixture (with `compressed`, also the NNCF-compressed ones, which have only the
+    stateful form and OpenVINO goldens); a missing one fails its tests rather than silently
+    skipping them."""
+    return list(fixtures.MODELS) + (list(fixtures.COMPRESSED) if compressed else [])
 
 
 @pytest.fixture(params=fixture_names(), ids=str)

@@ -229,3 +229,20 @@ def test_onnx_input_goes_through_the_same_pipeline(tmp_path):
     compile_to(fixtures.path("gpt2", "onnx"), out, CompileOptions(SMALL))
     prompt = fixtures.goldens("gpt2")["prompts"][1]
     assert open_compiled(out, "openvino").generate(prompt["ids"], 24).tokens == prompt["tokens"]["onnxruntime"]
+
+
+@pytest.mark.parametrize("name", fixtures.COMPRESSED)
+def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
+    """optimum-cli --weight-format int8/int4 models: compile (f32 KV: the exact check) publishes
+    CPU and NPU blobs that reproduce the stateful model's goldens."""
+    from kvc.export.load import open_compiled
+
+    out = tmp_path / "out"
+    manifest = compile_to(fixtures.path(name), out, CompileOptions(StaticOptions(64, 64, kv_precision="f32"),
+                                                                   devices=("CPU", "NPU")))
+    assert manifest["verification"]["ok"] and all(r["ok"] for r in manifest["blob_check"])
+    golden = fixtures.goldens(name)
+    for backend in ("openvino", "npu"):
+        pipe = open_compiled(out, backend)
+        for prompt in golden["prompts"]:
+            assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], (backend, prompt["name"])

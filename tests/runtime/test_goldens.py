@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvc.ir as ir
 from kvc import fixtures
 from kvc.runtime.compare import max_abs
 from kvc.runtime.generate import greedy
@@ -47,3 +48,18 @@ def test_goldens_agree_across_engines_as_recorded(fixture_name):
         streams = prompt["tokens"]
         assert streams["torch"] == streams["openvino"] == streams[fixtures.peer_engine(fixture_name)]
         assert len(streams["torch"]) == golden["max_new_tokens"] == 24
+
+
+@pytest.mark.parametrize("name", fixtures.COMPRESSED)
+def test_numpy_reproduces_compressed_weight_goldens(name):
+    """NNCF int8/int4 weights (u8/i8/u4/i4 constants, zero points, f16 scales, group reshapes):
+    kvc's interpreter gives OpenVINO CPU f32's tokens and first-step logits within 1e-4."""
+    golden = fixtures.goldens(name)
+    model = ir.load(fixtures.path(name))
+    kinds = {op.get_output_element_type(0).get_type_name() for op in model.get_ops() if op.get_type_name() == "Constant"}
+    assert kinds & {"u8", "i8", "u4", "i4"}, "the fixture must hold compressed weights"
+    ours = open_session(model, "numpy")
+    for prompt in golden["prompts"]:
+        got = greedy(ours, prompt["ids"], golden["max_new_tokens"])
+        assert got.tokens == prompt["tokens"]["openvino"], prompt["name"]
+        assert max_abs(got.first_logits, fixtures.golden_logits(name, prompt["name"], "openvino")) <= ATOL

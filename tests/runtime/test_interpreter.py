@@ -110,3 +110,52 @@ def test_outputs_answer_to_every_tensor_name():
     assert out["present.0.key"].shape == (1, 2, 2, 16) and "present.1.value" in out
     with pytest.raises(KeyError, match="no output named 'nope'"):
         out["nope"]
+
+
+def _decompressed_matmul(etype: str, group: int | None, *, to_f32: bool = True):
+    """x @ W.T with W as NNCF writes a compressed weight: low-bit Constant -> Convert f16 ->
+    Subtract zero point -> Multiply f16 scale -> [Reshape groups] -> Convert f32."""
+    r = np.random.default_rng(7)
+    lo, hi = {"u8": (0, 256), "i8": (-128, 128), "u4": (0, 16), "i4": (-8, 8)}[etype]
+    rows, cols = 8, 32
+    blocks = (rows, cols // group, group) if group else (rows, cols)
+    q = r.integers(lo, hi, blocks)
+    zp = r.integers(lo, hi, blocks[:-1] + (1,))
+    scale = r.uniform(0.01, 0.1, blocks[:-1] + (1,)).astype(np.float16)
+    x = ops.parameter([1, cols], np.float32, name="x")
+    x.output(0).set_names({"x"})
+
+    def low_bit(a):  # not ops.constant(dtype=...) nor ov.Type("u8"): both give u64 here
+        return ov.op.Constant(getattr(ov.Type, etype), ov.Shape(list(a.shape)), a.reshape(-1).tolist())
+
+    w = ops.convert(low_bit(q), "f16")
+    w = ops.subtract(w, ops.convert(low_bit(zp), "f16"))
+    w = ops.multiply(w, ops.constant(scale))
+    if group:
+        w = ops.reshape(w, ops.constant(np.array([rows, cols], np.int64)), False)
+    w = ops.convert(w, "f32") if to_f32 else w
+    y = ops.matmul(x if to_f32 else ops.convert(x, "f16"), w, False, True)
+    model = ov.Model([y], [x], "decompression")
+    exact = ((q - zp).astype(np.float32) * scale.astype(np.float32)).reshape(rows, cols)
+    return model, r.standard_normal((1, cols)).astype(np.float32), exact
+
+
+@pytest.mark.parametrize("etype,group", [("u8", None), ("i8", None), ("u4", 16), ("i4", 16), ("u4", None)])
+def test_weight_decompression_computes_in_f32_as_openvino_cpu(etype, group):
+    """NNCF's f16 scales: OpenVINO CPU (f32) dequantizes without rounding (q - zp) * scale to
+    f16; rounding it would move these logits by ~1e-3 and fail every compressed model's check."""
+    model, x, exact = _decompressed_matmul(etype, group)
+    got = Interpreter(model).run({"x": x})[model.outputs[0].get_any_name()]
+    cpu = open_session(model, "openvino").infer({"x": x})[model.outputs[0].get_any_name()]
+    np.testing.assert_allclose(got, x @ exact.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5)
+    rounded = x @ exact.astype(np.float16).astype(np.float32).T
+    assert np.abs(got - rounded).max() > 1e-4  # the case would catch f16 rounding
+
+
+def test_f16_decompression_used_in_f16_stays_f16():
+    """Only a subgraph that ends in a Convert to f32 is widened; an f16 consumer sees f16 weights."""
+    model, _, _ = _decompressed_matmul("u8", None, to_f32=False)
+    from kvc.runtime.interpreter import decompression_nodes
+
+    assert decompression_nodes(model) == set()

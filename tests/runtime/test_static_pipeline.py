@@ -51,7 +51,7 @@ def reference(name: str):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", ["numpy", "openvino"])
-@pytest.mark.parametrize("name", fixture_names())
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
 def test_static_pipeline_matches_stateful_model(name, config, backend):
     pipe = pipeline(name, config, backend)
     for prompt, ref in zip(prompts(), reference(name)):
@@ -65,7 +65,7 @@ def test_static_pipeline_matches_stateful_model(name, config, backend):
             assert got.prompt_logits is None
 
 
-@pytest.mark.parametrize("name", fixture_names())
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
 def test_npu_plugin_backend_agrees(name):
     """kvc's static models through the NPU plugin (NPUW, CPU backend) give the same tokens."""
     pipe = pipeline(name, "chunked", "npu")
@@ -139,10 +139,21 @@ NPUW_LLM_FAILS = {
     # by name); kvc reshapes only the inputs a model has
     "bloom": ("run", "unordered_map::at"),
     "mpt": ("run", "unordered_map::at"),
+    # NNCF-compressed weights (kvc runs all nine, tested above): NPUW_LLM loses a KV parameter
+    # on llama int8 and int4 channel-wise, asserts a group-quantized weight's last axis is a
+    # multiple of 64 at run time (int4 group 16), and fails at run time on phi int4 channel-wise
+    "llama_int8": ("compile", "Model references undeclared parameters"),
+    "llama_int4_sym_g16": ("run", "Assertion from_shape.back\\(\\) % 64 == 0 failed"),
+    "llama_int4_asym_cw": ("compile", "Model references undeclared parameters"),
+    "phi_int4_sym_g16": ("run", "Assertion from_shape.back\\(\\) % 64 == 0 failed"),
+    "phi_int4_asym_cw": ("run", "Tensor was not initialized"),
+    "granitemoe_int8": ("compile", "to_shape was called on a dynamic shape"),
+    "granitemoe_int4_sym_g16": ("compile", "to_shape was called on a dynamic shape"),
+    "granitemoe_int4_asym_cw": ("compile", "to_shape was called on a dynamic shape"),
 }
 
 
-@pytest.mark.parametrize("name", fixture_names())
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
 def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys, record_property):
     """The NPU plugin's own LLM pipeline (NPUW_LLM on its CPU backend, same P and R) and kvc's
     static models through the NPU plugin: each agrees with the reference on every token whose
@@ -153,14 +164,14 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys, record_property):
     model = ir.load(fixtures.path(name))
     if name in NPUW_LLM_FAILS:
         stage, message = NPUW_LLM_FAILS[name]
-        record_property("npuw_llm", f"fails to {stage}: {message}")
+        record_property("npuw_llm", f"fails to {stage}: {message.replace(chr(92), '')}")
         if stage == "compile":
             with pytest.raises(RuntimeError, match=message):
                 ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG)
         else:
-            npuw = OpenVINOSession(ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG), "NPU")
-            with pytest.raises(DeviceError, match=message):
-                greedy(npuw, prompts()[0], 2)
+            compiled = ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG)
+            with pytest.raises((DeviceError, RuntimeError), match=message):
+                greedy(OpenVINOSession(compiled, "NPU"), prompts()[0], 2)
         return
     npuw = OpenVINOSession(ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG), "NPU")
     ours = pipeline(name, "chunked", "npu")
