@@ -33,7 +33,8 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     from kvc.passes import format_pipeline
 
     progress(f"bisecting {path}: {format_pipeline(common_passes(options))}, then each static branch")
-    report = run_bisect(ir.load(path), options, prompt=parse_ids(prompt_ids) if prompt_ids else None, steps=steps)
+    report = run_bisect(ir.load(path), options, prompt=parse_ids(prompt_ids) if prompt_ids else None, steps=steps,
+                        file=str(path))
     if as_json:
         echo_json(report.to_dict())
     else:

@@ -18,7 +18,7 @@ from kvc.cli.render import echo_json, human_bytes, table
 @click.option("--device", "devices", multiple=True, type=click.Choice(["CPU", "NPU"]), default=("CPU",),
               show_default=True, help="Compile and export a blob per model for this device (repeatable).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
-              help="Check the compiled pipeline against the source model on kvc's numpy runtime.")
+              help="Check the static pipeline (kvc's numpy runtime) against the source model on OpenVINO CPU f32.")
 @click.option("--dumps", is_flag=True, help="Write pass-by-pass IR dumps into OUT/dumps.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
 @ir_print_options

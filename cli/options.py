@@ -52,6 +52,9 @@ def parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids takes comma-separated token ids, found {text!r}") from None
     if not ids:
         raise UsageError("--prompt-ids is empty")
+    bad = next((t for t in ids if not 0 <= t < 2 ** 63), None)
+    if bad is not None:
+        raise UsageError(f"--prompt-ids: token id {bad} is not a token id (0 to 2^63 - 1, and below the vocabulary size)")
     return ids
 
 

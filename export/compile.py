@@ -234,7 +234,7 @@ def _check(model_path: Path, work: Path, manifest: dict, static, options: Compil
     cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
     verification = ir_gens = None
     if options.verify:
-        progress("verifying the static pipeline against the source model (numpy)")
+        progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
         ir_gens = ir_generations(static, cases)
         verification = verify_static(load(model_path), static, cases, ir_gens)
         if not verification["ok"]:

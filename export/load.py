@@ -75,4 +75,5 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         if name.startswith("generate-"):
             generate[int(name.split("-", 1)[1])] = _session(directory, manifest, name, backend, from_ir)
     prefill = _session(directory, manifest, "prefill", backend, from_ir)
-    return StaticPipeline(prefill, generate, plan_of(manifest))
+    logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
+    return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1])

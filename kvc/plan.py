@@ -89,8 +89,28 @@ class LengthPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LengthPlan":
-        return cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(d["generate_sizes"]),
+        sizes = d["generate_sizes"]
+        if not (isinstance(sizes, list) and sizes and all(_is_int(s) and s > 1 for s in sizes)
+                and sizes == sorted(set(sizes))):
+            raise ValueError(f"generate_sizes must be increasing integers > 1, found {sizes!r}")
+        ints = {k: d[k] for k in ("max_prompt_len", "min_response_len", "prefill_chunk_size", "tokens_per_step")}
+        for key, value in ints.items():
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{key} must be a non-negative integer, found {value!r}")
+        if not (isinstance(d["adjustments"], list) and all(isinstance(a, str) for a in d["adjustments"])):
+            raise ValueError("adjustments must be a list of strings")
+        plan = cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(sizes),
                    d["tokens_per_step"], tuple(d["adjustments"]))
+        if plan.prompt < 1 or plan.tokens < 1 or plan.capacity <= plan.prompt:
+            raise ValueError(f"lengths are inconsistent: P {plan.prompt}, G {plan.tokens}, capacity {plan.capacity}")
+        return plan
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 
 def plan_lengths(max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN, min_response_len: int = DEFAULT_MIN_RESPONSE_LEN,
@@ -102,6 +122,10 @@ def plan_lengths(max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN, min_response_len:
     if max_prompt_len <= 0 or min_response_len <= 0:
         raise UsageError(f"max prompt length and min response length must be positive "
                          f"(got {max_prompt_len} and {min_response_len})")
+    if max_prompt_len + min_response_len > MAX_LENGTH:
+        raise UsageError(f"max prompt length {max_prompt_len} + min response length {min_response_len} "
+                         f"(--max-prompt-len, --min-response-len) exceed {MAX_LENGTH} positions; the static models "
+                         f"would not fit in memory")
     if chunk < 0 or (chunk and chunk & (chunk - 1)):
         raise UsageError(f"prefill chunk size must be a power of two, got {chunk}")
     p = _align_up(max_prompt_len, align) if align > 1 else max_prompt_len
@@ -153,7 +177,12 @@ class KVSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVSpec":
-        return cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
+        spec = cls(d["input"], d["output"], d["layer"], d["kind"], d["seq_axis"], d["element_type"], tuple(d["shape"]))
+        if not (isinstance(spec.input, str) and isinstance(spec.output, str) and isinstance(spec.element_type, str)
+                and _is_int(spec.layer) and _is_int(spec.seq_axis) and spec.shape
+                and all(_is_int(n) and n >= 0 for n in spec.shape) and 0 <= spec.seq_axis < len(spec.shape)):
+            raise ValueError(f"malformed KV entry {d!r}"[:200])
+        return spec
 
 
 @dataclass(frozen=True)

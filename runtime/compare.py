@@ -3,10 +3,12 @@
 
 The policy, in order:
 
-1. **Non-finite values.** Any NaN or ±Inf in the compared logits is a mismatch, whatever the
-   reference holds, unless both sides hold the same non-finite value at the same place. The
-   metrics below are then computed over the finite positions only and never decide alone:
-   NaN compares False with everything, so a check written as ``error > tol`` would pass it.
+1. **Non-finite values.** A NaN or +Inf logit is always a failure, even where the reference
+   holds the same: no model computes them on purpose, and a source model that does (NaN
+   weights, say) has nothing to be verified against. A -Inf (a masked vocabulary entry) is a
+   mismatch unless the reference holds it at the same place. The metrics below are computed
+   over the finite positions only and never decide alone: NaN compares False with
+   everything, so a check written as ``error > tol`` would pass it.
 2. **Exact backends** (kvc's numpy runtime, OpenVINO CPU at f32, f32 KV): identical tokens and
    logits within ``F32_ATOL``.
 3. **Reduced precision** (f16 KV, the NPU plugin): NRMSE ≤ ``F16_NRMSE`` over the steps that
@@ -82,6 +84,16 @@ def nonfinite_mismatch(ref, actual) -> str | None:
              f"index {where[0]}" if where else "the only value")
     return (f"{int(bad.sum())} non-finite logit(s), first at {place}: "
             f"reference {r[where]:.6g}, found {x[where]:.6g}")
+
+
+def poisoned(logits) -> str | None:
+    """Where a run's logits (per-step arrays) hold a NaN or +Inf, described; None if nowhere."""
+    x = np.stack([np.asarray(step, np.float64).reshape(-1) for step in logits]) if len(logits) else np.zeros((0, 0))
+    bad = np.isnan(x) | (x == np.inf)
+    if not bad.any():
+        return None
+    step, token = np.unravel_index(int(np.argmax(bad)), bad.shape)
+    return f"{int(bad.sum())} non-finite (NaN/+Inf) logit(s), first at step {step}, token {token} ({x[step, token]:.6g})"
 
 
 def count_nonfinite(logits) -> int:
@@ -160,6 +172,12 @@ def judge(ref, actual, *, reduced: bool = False) -> Verdict:
     for a reduced-precision path (f16 KV, the NPU plugin), else exact."""
     c = compare_generations(ref, actual)
     div = c.first_divergent_token
+    for side, run in (("found", actual), ("reference", ref)):
+        bad = poisoned(run.logits[:max(c.steps, 1)])
+        if bad is not None:
+            return Verdict(False, c, f"{bad} in the {side} run" + (
+                "; the source model itself computes them, so there is nothing to verify against"
+                if side == "reference" else ""))
     if c.nonfinite is not None:
         return Verdict(False, c, c.nonfinite)
     if div is not None and c.margin_at_divergence is None:

@@ -54,13 +54,14 @@ def max_new_tokens(lengths: LengthPlan, prompt_len: int) -> int:
 class StaticPipeline:
     """Drives one prefill session and generate sessions by size over one shared KV buffer."""
 
-    def __init__(self, prefill: Session, generate: dict[int, Session], plan: StaticPlan, pad_token: int = 0):
+    def __init__(self, prefill: Session, generate: dict[int, Session], plan: StaticPlan, pad_token: int = 0,
+                 vocab: int | None = None):
         lengths = plan.lengths
         if sorted(generate) != sorted(lengths.sizes):
             raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(lengths.sizes)}")
         self.prefill, self.generate_sessions, self.plan = prefill, generate, plan
         self.lengths, self.kv = lengths, plan.kv
-        self.pad_token = pad_token
+        self.pad_token, self.vocab = pad_token, vocab  # vocab: token ids are checked against it when known
         self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in self.kv}
         # Every session with a past reads its prefix of the shared buffers directly (bound
         # once, here): a step copies only its new rows, never the cache.
@@ -132,10 +133,17 @@ class StaticPipeline:
         prompt_logits = None if any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
-    def _check_fits(self, n: int, new_tokens: int) -> None:
-        L = self.lengths
+    def _check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
+        L, n = self.lengths, len(prompt)
         if n == 0:
             raise UsageError("the prompt is empty")
+        outside = np.flatnonzero((prompt < 0) | (prompt >= (self.vocab or np.iinfo(np.int64).max)))
+        if outside.size:
+            i = int(outside[0])
+            raise UsageError(f"token id {int(prompt[i])} at position {i} of the prompt is outside the vocabulary "
+                             f"(ids 0 to {self.vocab - 1 if self.vocab else 'any non-negative'})")
+        if new_tokens < 1:
+            raise UsageError(f"the number of new tokens must be at least 1, got {new_tokens}")
         if n > L.prompt:
             raise PromptTooLongError(
                 f"prompt of {n} tokens does not fit: the prefill model takes at most {L.prompt} "
@@ -164,9 +172,12 @@ class StaticPipeline:
     def generate(self, prompt, new_tokens: int) -> StaticGeneration:
         """Greedy decoding: prefill, then one generate step per token on the smallest variant
         that holds the prompt and R (moving up a variant when its past is full)."""
-        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        try:
+            prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        except (OverflowError, ValueError, TypeError):
+            raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
         n, L = len(prompt), self.lengths
-        self._check_fits(n, new_tokens)
+        self._check_fits(prompt, new_tokens)
         for buf in self.buffers.values():  # in place: sessions hold views of these buffers
             buf[...] = 0
         gen = StaticGeneration(prompt=[int(t) for t in prompt])

@@ -66,14 +66,24 @@ def _judge(ref: np.ndarray, got: np.ndarray, f16: bool) -> tuple[float, float, b
 
 
 def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=None, steps: int = 3,
-           seed: int = 0) -> BisectReport:
-    """Walk the common passes and then every branch of `options`; stop at the first bad pass."""
+           seed: int = 0, file: str = "<model>") -> BisectReport:
+    """Walk the common passes and then every branch of `options`; stop at the first bad pass.
+    `file` names the model in errors."""
+    from kvc.errors import PassError, UsageError
     from kvc.export.build import branch_passes, common_passes
 
     source = model.clone()
-    vocab = model.output("logits").get_partial_shape()[-1].get_length()
+    logits = next((o for o in model.outputs if "logits" in o.get_names()), None)
+    if logits is None or logits.get_partial_shape().rank.is_dynamic or logits.get_partial_shape()[-1].is_dynamic:
+        found = ", ".join(sorted(n for o in model.outputs for n in o.get_names())) or "none"
+        raise PassError(f"{file}: not a causal language model: kvc bisects models with an output named logits "
+                        f"[.., V] of known vocabulary size; found outputs {found}")
+    vocab = logits.get_partial_shape()[-1].get_length()
     rng = np.random.default_rng(seed)
     prompt = list(prompt) if prompt is not None else rng.integers(1, vocab, 8).tolist()
+    outside = [t for t in prompt if not 0 <= t < vocab]
+    if outside:
+        raise UsageError(f"token id {outside[0]} of --prompt-ids is outside the vocabulary (ids 0 to {vocab - 1})")
     ref_dynamic = dynamic_logits(source, prompt, steps)
     report = BisectReport()
     current = model

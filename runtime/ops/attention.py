@@ -1,6 +1,7 @@
 """ScaledDotProductAttention (opset13), exactly as its specification's reference code:
 
     attn = softmax(Q @ K^T * scale + bias) @ V
+    with a sink (input 5, broadcast to [..., L, 1]): softmax over [scores, sink], sink column dropped
     bias = triu(-inf, k=1) over [L, S] if causal (the mask input is then ignored),
            else where(mask, 0, -inf) for a boolean mask, else the additive mask.
 
@@ -22,7 +23,7 @@ def sdpa(spec: NodeSpec):
     causal = bool(spec.attrs.get("causal", False))
     out = spec.out_dtype
 
-    def run(q, k, v, mask=None, scale=None, *_):
+    def run(q, k, v, mask=None, scale=None, sink=None):
         q, k, v = wide(q), wide(k), wide(v)  # f16 attention computes in f32, rounded once at the output
         dt = q.dtype
         s = (np.asarray(scale, dtype=dt).reshape(()) if scale is not None
@@ -36,6 +37,10 @@ def sdpa(spec: NodeSpec):
                 w = w + np.where(mask, dt.type(0), dt.type(-np.inf))
             else:
                 w = w + mask.astype(dt, copy=False)
-        return np.matmul(softmax_array(w, -1), v).astype(out, copy=False)
+        if sink is None:
+            return np.matmul(softmax_array(w, -1), v).astype(out, copy=False)
+        column = np.broadcast_to(wide(sink).astype(dt, copy=False), w.shape[:-1] + (1,))
+        p = softmax_array(np.concatenate([w, column], axis=-1), -1)[..., :-1]
+        return np.matmul(p, v).astype(out, copy=False)
 
     return run

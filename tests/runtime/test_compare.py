@@ -57,15 +57,26 @@ def test_nan_everywhere_is_a_mismatch_even_where_tokens_agree():
         assert not v.ok and "non-finite" in v.reason
 
 
-def test_the_same_non_finite_value_on_both_sides_is_not_a_mismatch():
+def test_the_same_masked_entry_on_both_sides_is_not_a_mismatch():
     ref = run()
-    ref.logits[1][3] = -np.inf
-    ref.logits[2][0] = np.nan
+    ref.logits[1][3] = -np.inf  # a masked vocabulary entry
     got = Generation(ref.prompt, list(ref.tokens), [r.copy() for r in ref.logits])
-    assert nonfinite_mismatch(np.stack(ref.logits), np.stack(got.logits)) is None
     assert judge(ref, got).ok
     got.logits[1][3] = np.inf  # the other sign is a different value
     assert not judge(ref, got).ok
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_nan_or_plus_inf_fails_even_when_the_reference_holds_the_same(value):
+    """A source model with NaN weights gives NaN logits on both sides: that is a broken
+    model, never a verified one."""
+    ref = run()
+    ref.logits[2][0] = value
+    got = Generation(ref.prompt, list(ref.tokens), [r.copy() for r in ref.logits])
+    assert nonfinite_mismatch(np.stack(ref.logits), np.stack(got.logits)) is None  # the metric sees no difference
+    for reduced in (False, True):
+        v = judge(ref, got, reduced=reduced)
+        assert not v.ok and "non-finite (NaN/+Inf) logit(s), first at step 2, token 0" in v.reason
 
 
 def test_a_reference_nan_that_the_actual_lacks_is_a_mismatch():

@@ -129,6 +129,26 @@ def test_sdpa_explicit_scale():
     check(lambda q, k, v, m: sdpa(q, k, v, m, np.array(2.0, np.float32)), {k: inputs[k] for k in "qkvm"})
 
 
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive"])
+def test_sdpa_sink(mask_kind):
+    """Input 5 (GPT-OSS's attention sinks, [1, H, 1, 1]): one more logit per head joins the
+    softmax and its column is dropped; a fully masked row then attends to nothing, not NaN."""
+    from openvino._pyopenvino import NodeFactory
+
+    inputs = _qkv(50, b=1, h=4, L=3, S=7)
+    mask = rng(51).random((1, 1, 3, 7)) < 0.6
+    mask[0, 0, 1] = False  # a pad row: only the sink is visible
+    inputs["m"] = mask if mask_kind == "boolean" else np.where(mask, 0, -np.inf).astype(np.float32)
+    sink = randn(52, (1, 4, 1, 1), scale=3.0)
+
+    def make(q, k, v, m):
+        args = [q, k, v, m, ops.constant(np.float32(0.3)), ops.constant(sink)]
+        return NodeFactory("opset13").create("ScaledDotProductAttention", [a.output(0) for a in args],
+                                             {"causal": False})
+
+    check(make, inputs)
+
+
 def test_sdpa_causal_ignores_mask():
     inputs = _qkv(28, L=5, S=5)
     inputs["m"] = randn(29, (5, 5), np.float32, 3.0)
