@@ -186,11 +186,26 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progr
         instr = dataclasses.replace(instr, dump_dir=work / "dumps")
     progress("running passes: " + format_pipeline(common_passes(options.static)) + ", then one branch per static model")
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
-        static = build_static(load(model_path, consts_found=bundle.start_weights_file), options.static, instr,
-                              bundle=bundle)
+        model = load(model_path, consts_found=bundle.start_weights_file)
+        _require_kv_cache(model, resolve(model_path).model)
+        static = build_static(model, options.static, instr, bundle=bundle)
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()
     return static, xmls
+
+
+def _require_kv_cache(model, file: Path) -> None:
+    """A model without a KV cache is valid but not kvc's to compile: exit 6, naming the file."""
+    from kvc.errors import InvalidModelError, PassError
+    from kvc.ir.kv_discovery import kv_layout
+
+    try:
+        kv_layout(model, str(file))
+    except InvalidModelError as exc:
+        if exc.code != "no-kv-cache":
+            raise
+        raise PassError(f"{file}: nothing to compile: {exc.reason} (expected {exc.expected}; found {exc.found})") \
+            from None
 
 
 def _export_blobs(work: Path, xmls: dict[str, Path], device: str, progress) -> dict[str, dict]:
