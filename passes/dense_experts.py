@@ -32,18 +32,12 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.framework.base import Pass, PassResult, describe_node
+from kvc.passes.framework.base import Pass, PassResult, constant_ints, describe_node
 from kvc.passes.framework.registry import register_pass
 from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
-
-def _ints(out: ov.Output) -> list[int] | None:
-    node = out.get_node()
-    if node.get_type_name() != "Constant":
-        return None
-    return [int(v) for v in np.asarray(node.get_data()).reshape(-1)]
 
 
 def _same(a: ov.Output, b: ov.Output) -> bool:
@@ -62,7 +56,8 @@ def _expert_block(value: ov.Output) -> tuple[ov.Output, ov.Output, ov.Output, ov
     rank = slice_.get_input_partial_shape(0).rank
     if rank.is_dynamic or rank.get_length() != 2:
         raise NoMatch(f"{describe_node(slice_)} does not slice a 2-D tensor")
-    if _ints(slice_.input_value(3)) != [1] or [a % 2 for a in (_ints(slice_.input_value(4)) or [1])] != [0]:
+    axes = constant_ints(slice_.input_value(4)) or [1]
+    if constant_ints(slice_.input_value(3)) != [1] or [a % 2 for a in axes] != [0]:
         raise NoMatch(f"{describe_node(slice_)} is not a step-1 slice of rows (axis 0)")
     return slice_.input_value(0), slice_.input_value(1), slice_.input_value(2), matmul
 
@@ -77,7 +72,7 @@ def _expert_blocks(concat: ov.Node) -> tuple[ov.Node, list]:
     rows = blocks[0][0]
     if not all(_same(b[0], rows) for b in blocks):
         raise NoMatch("its blocks slice different tensors")
-    if _ints(blocks[0][1]) != [0]:
+    if constant_ints(blocks[0][1]) != [0]:
         raise NoMatch("its first block does not start at row 0")
     if not all(_same(blocks[i + 1][1], blocks[i][2]) for i in range(len(blocks) - 1)):
         raise NoMatch("its blocks are not contiguous, in order")

@@ -44,7 +44,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kvc.passes.framework.base import Pass, PassResult, describe_node
+from kvc.passes.framework.base import Pass, PassResult, constant_ints, describe_node
 from kvc.passes.framework.registry import register_pass
 from kvc.passes.framework.rules import NoMatch, Rule
 
@@ -99,12 +99,6 @@ def _length(out: ov.Output) -> int | None:
     return None
 
 
-def _const_ints(out: ov.Output) -> list[int] | None:
-    node = out.get_node()
-    if node.get_type_name() != "Constant":
-        return None
-    return [int(v) for v in np.asarray(node.get_data()).reshape(-1)]
-
 
 def _constant_expr(out: ov.Output, limit: int = 64) -> bool:
     """Whether `out` depends on no input or state (a table OpenVINO could fold), looking at
@@ -127,8 +121,8 @@ def _slice_axes(node: ov.Node) -> tuple[list[int], list[int]]:
     if rank.is_dynamic:
         raise NoMatch("its input has a dynamic rank")
     r = rank.get_length()
-    steps = _const_ints(node.input_value(3))
-    axes = _const_ints(node.input_value(4)) if node.get_input_size() > 4 else list(range(len(steps or [])))
+    steps = constant_ints(node.input_value(3))
+    axes = constant_ints(node.input_value(4)) if node.get_input_size() > 4 else list(range(len(steps or [])))
     if steps is None or axes is None:
         raise NoMatch("its steps or axes are not constants")
     return [a % r for a in axes], steps
@@ -180,7 +174,7 @@ def _right_aligned_table(node: ov.Node, mask_len: int) -> tuple[ov.Node, int]:
     src_shape, out_shape = node.get_input_partial_shape(0), node.get_output_partial_shape(0)
     if not (src_shape[axis].is_static and out_shape.rank.is_static and out_shape[axis].is_static):
         raise NoMatch("its sliced axis is not static")
-    table_len, stop = src_shape[axis].get_length(), _const_ints(node.input_value(2))
+    table_len, stop = src_shape[axis].get_length(), constant_ints(node.input_value(2))
     if out_shape[axis].get_length() != mask_len or table_len < mask_len:
         raise NoMatch(f"it takes {out_shape[axis].get_length()} of {table_len} entries, not the mask's {mask_len}")
     if stop is None or stop[0] < table_len:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import openvino as ov
 
 from kvc.errors import PassError
@@ -71,6 +72,14 @@ def name_new(out: ov.Node, base: str, keep: set[ov.Node]) -> None:
 
 def type_signature(node: ov.Node) -> list[tuple[str, str]]:
     return [(out.get_element_type().get_type_name(), str(out.get_partial_shape())) for out in node.outputs()]
+
+
+def constant_ints(out: ov.Output) -> list[int] | None:
+    """The values of a Constant as Python ints (flattened); None when `out` is not a Constant."""
+    node = out.get_node()
+    if node.get_type_name() != "Constant":
+        return None
+    return [int(v) for v in np.asarray(node.get_data()).reshape(-1)]
 
 
 def option(default: Any, *, help: str, choices: tuple | None = None) -> Any:
