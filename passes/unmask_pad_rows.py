@@ -7,17 +7,31 @@ keys and values of the pad slot, and `0 * NaN` in the valid rows' weighted sum t
 valid row into NaN. transformers avoids it at run time ("unmask unattended" rows); a static
 graph needs it in the graph.
 
-On a static model, each ScaledDotProductAttention with a boolean mask gets
-``mask OR self`` where ``self[i, S - L + i]`` is true (query i of this step sits in key slot
-S - L + i). A valid query already attends to its own slot, so valid rows are unchanged; only
-rows whose outputs nobody reads (pad rows) change. Float masks use a large finite negative
-value in transformers' exports and never produce NaN, so they are left alone.
+A float mask is no safer than its fill value. transformers fills with float32's lowest
+finite value (-3.4028235e38), which stays finite only while the mask is computed in f32:
+rounded to bfloat16 (round to nearest even) it becomes -inf, and the same holds in f16 unless
+a conversion clamps. A model that fills with -inf itself (Bloom's eager path, many custom
+models) never had a finite fill. Either way the pad row is all -inf, softmax is NaN, and the
+NaN spreads as above: this was the NaN of Bloom's logits at step 0 on NPUW's CPU backend on a
+bf16-capable host (issue 11), reproduced here by giving the Bloom fixture a -inf fill.
+
+On a static model, each ScaledDotProductAttention's mask gets its pad rows' own slot back.
+Query i of this step sits in key slot S - L + i; ``own[i, S - L + i]`` is true.
+
+- bool-mask: ``mask OR own``.
+- float-mask: ``Select(own, Maximum(mask, F16_LOWEST), mask)``: the own slot is raised to at
+  least -65504, finite in f32, f16 and bf16, and every other entry is untouched.
+
+A valid query already attends to its own slot with a finite bias, so valid rows are unchanged
+(bit for bit); only rows whose outputs nobody reads (pad rows) change. One ``own`` constant
+is shared by every attention of a model with the same L and S.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -31,29 +45,55 @@ from kvc.passes.framework.rules import NoMatch, Rule
 log = logging.getLogger(__name__)
 
 
-def _bool_mask_sdpa(node: ov.Node) -> ov.Node:
+F16_LOWEST = -65504.0  # the lowest finite f16; bf16 and f32 hold it too
+
+
+def _masked_sdpa(node: ov.Node, *, boolean: bool) -> ov.Node:
     if node.get_input_size() < 4:
         raise NoMatch("no attention mask input")
-    if node.get_input_element_type(3) != ov.Type.boolean:
-        raise NoMatch(f"the mask is {node.get_input_element_type(3).get_type_name()}, not boolean "
-                      f"(a float mask never makes a NaN row)")
+    element = node.get_input_element_type(3)
+    if (element == ov.Type.boolean) != boolean:
+        raise NoMatch(f"the mask is {element.get_type_name()}, not {'boolean' if boolean else 'floating-point'}")
     return node
 
 
-def _own_slot(sdpa: ov.Node) -> None:
-    """mask OR self: query i of this step attends to its own slot S - L + i."""
+def _own_slot(sdpa: ov.Node, cache: dict) -> ov.Output:
+    """The [L, S] boolean table of query i's own key slot S - L + i (shared per L, S)."""
     q, k = sdpa.get_input_partial_shape(0), sdpa.get_input_partial_shape(1)
     L, S = q[q.rank.get_length() - 2].get_length(), k[k.rank.get_length() - 2].get_length()
-    own = np.zeros((L, S), bool)
-    own[np.arange(L), np.arange(S - L, S)] = True
-    mask = ops.logical_or(sdpa.input_value(3), ops.constant(own))
+    if (L, S) not in cache:
+        own = np.zeros((L, S), bool)
+        own[np.arange(L), np.arange(S - L, S)] = True
+        const = ops.constant(own)
+        const.set_friendly_name(f"unmask-pad-rows/own_slot_{L}x{S}")
+        cache[L, S] = const.output(0)
+    return cache[L, S]
+
+
+def _unmask_bool(sdpa: ov.Node, cache: dict) -> None:
+    """mask OR own: query i of this step attends to its own slot."""
+    mask = ops.logical_or(sdpa.input_value(3), _own_slot(sdpa, cache))
     mask.set_friendly_name(f"{sdpa.get_friendly_name()}/own_slot")
     sdpa.input(3).replace_source_output(mask.output(0))
     log.debug("unmask-pad-rows: %s", describe_node(sdpa))
 
 
-OWN_SLOT = Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",), match=_bool_mask_sdpa,
-                rewrite=_own_slot)
+def _unmask_float(sdpa: ov.Node, cache: dict) -> None:
+    """Select(own, max(mask, F16_LOWEST), mask): the own slot is finite in every precision."""
+    mask = sdpa.input_value(3)
+    floor = ops.constant(np.array(F16_LOWEST, mask.get_element_type().to_dtype()))
+    raised = ops.maximum(mask, floor)
+    unmasked = ops.select(_own_slot(sdpa, cache), raised, mask)
+    unmasked.set_friendly_name(f"{sdpa.get_friendly_name()}/own_slot")
+    sdpa.input(3).replace_source_output(unmasked.output(0))
+    log.debug("unmask-pad-rows: %s", describe_node(sdpa))
+
+
+def _rules(cache: dict) -> tuple[Rule, Rule]:
+    return (Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",),
+                 match=partial(_masked_sdpa, boolean=True), rewrite=partial(_unmask_bool, cache=cache)),
+            Rule("unmask-pad-rows/float-mask", anchors=("ScaledDotProductAttention",),
+                 match=partial(_masked_sdpa, boolean=False), rewrite=partial(_unmask_float, cache=cache)))
 
 
 @register_pass
@@ -65,7 +105,8 @@ class UnmaskPadRows(Pass):
     requires: ClassVar[tuple[str, ...]] = ("static",)
 
     def run(self, model: ov.Model) -> PassResult:
-        rewritten = OWN_SLOT.apply(model.get_ordered_ops())
+        ops_ = model.get_ordered_ops()
+        rewritten = sum(rule.apply(ops_) for rule in _rules({}))
         if rewritten:
             model.validate_nodes_and_infer_types()
         return PassResult(model, rewritten > 0)

@@ -250,9 +250,10 @@ def test_rule_hits_are_counted_and_dumped(tmp_path):
     layers = 2
     assert hits["group-attention"] == {"group-attention/sdpa": layers}
     assert hits["mask-positions"] == {"mask-positions/index-compare": 2}  # the window's and the causal comparison
-    assert hits["unmask-pad-rows"] == {}  # mistral's masks are float: nothing to unmask, and why is recorded
+    assert hits["unmask-pad-rows"] == {"unmask-pad-rows/float-mask": layers}  # mistral's masks are float
     misses = next(r.rule_misses for r in run.records if r.name == "unmask-pad-rows")
-    assert len(misses) == layers and all(m[2].startswith("the mask is f32, not boolean") for m in misses)
+    assert [m[0] for m in misses] == ["unmask-pad-rows/bool-mask"] * layers  # and why the other rule missed
+    assert all(m[2] == "the mask is f32, not boolean" for m in misses)
     index = json.loads((tmp_path / "index.json").read_text())
     assert {row["pass"]: row["rules"] for row in index} == hits
 
