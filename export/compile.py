@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Callable
 
 from kvc import __version__
-from kvc.errors import DeviceError, UsageError, VerificationError, openvino_reason
+from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
 from kvc.export.build import build_static, common_passes
 from kvc.export.manifest import (FORMAT, MANIFEST, dumps, file_entry, openvino_version, port_table,
                                  source_hashes)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
-from kvc.passes import Instrumentation, format_pipeline
+from kvc.passes import Instrumentation, PassFailure, format_pipeline
 from kvc.plan import StaticOptions
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
@@ -74,16 +74,26 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
         device_config(device, for_export=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(exc, out, None) from None
     _clean_interrupted(out, progress)
     if out.exists() and not options.force:
         raise UsageError(f"{out} exists; pass --force to replace it")
-    work = temp_dir(out.parent, f".{out.name}.partial-{os.getpid()}-")
+    try:
+        work = temp_dir(out.parent, f".{out.name}.partial-{os.getpid()}-")
+    except OSError as exc:
+        raise _output_error(exc, out, None) from None
     try:
         manifest = _compile_into(model_path, work, options, progress)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
         _publish(work, out, options.force)
         return manifest
+    except OSError as exc:
+        if exc.errno not in _CANNOT_WRITE:
+            raise
+        raise _output_error(exc, out, work) from None
     except BaseException:
         if options.dumps and (work / "dumps").is_dir():  # asked for: kept, and said where
             kept = out.with_name(f"{out.name}.failed-dumps")
@@ -94,6 +104,21 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     finally:
         if work.exists():
             shutil.rmtree(work)
+
+
+_CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # (permissions fail at temp_dir)
+
+
+def _output_error(exc: OSError, out: Path, work: Path | None) -> OutputError:
+    """Why OUT cannot be written, with the numbers that say how much room it needs."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    text = f"cannot write {out}: {exc.strerror or exc}{where}; nothing was published"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        written = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work and work.exists() else 0
+        free = shutil.disk_usage(out.parent).free
+        text += (f" (this compile had written {written / 2**20:.1f} MiB when it failed; "
+                 f"{free / 2**20:.1f} MiB free on that filesystem)")
+    return OutputError(text)
 
 
 def _publish(work: Path, out: Path, force: bool) -> None:
@@ -188,7 +213,10 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progr
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
         _require_kv_cache(model, resolve(model_path).model)
-        static = build_static(model, options.static, instr, bundle=bundle)
+        try:
+            static = build_static(model, options.static, instr, bundle=bundle)
+        except PassFailure as exc:
+            raise exc.in_file(resolve(model_path).model) from None
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()
     return static, xmls

@@ -72,6 +72,7 @@ def validate_ir(xml_path: Path, bin_path: Path | None = None,
         raise InvalidModelError("not-ir", file, "root element is not <net>",
                                 expected="<net>", found=f"<{root.tag}>")
     consts = _check_graph(root, file, path="", dims=not _dims_valid(root))
+    _check_variables(root, file)
     if not consts:
         return []
     if not bin_path.is_file():
@@ -191,6 +192,31 @@ def _check_graph(net: Element, file: str, path: str, dims: bool = True) -> list[
             consts += _check_graph(nested, file, path=f"{path}{layer.label()} {nested.tag}: ", dims=dims)
     _check_edges(net, layers, file, path)
     return consts
+
+
+def _check_variables(root: Element, file: str) -> None:
+    """Every Assign writes a variable some ReadValue reads (OpenVINO creates variables from
+    ReadValues, and otherwise fails with a bare 'map::at'). A ReadValue without an Assign is
+    valid: its variable keeps its initial value."""
+    read, assigns = set(), []
+    for el in root.iter("layer"):
+        if el.get("type") in ("ReadValue", "Assign"):
+            data = el.find("data")
+            vid = data.get("variable_id") if data is not None else None
+            if vid is None:
+                raise InvalidModelError("bad-variable", file, "the state layer has no variable_id",
+                                        layer=f"layer {el.get('id')} '{el.get('name', '')}' ({el.get('type')})",
+                                        expected='<data variable_id="...">', found="none")
+            if el.get("type") == "ReadValue":
+                read.add(vid)
+            else:
+                assigns.append((el, vid))
+    for el, vid in assigns:
+        if vid not in read:
+            known = ", ".join(sorted(read)[:4]) + (", ..." if len(read) > 4 else "") if read else "none"
+            raise InvalidModelError("unknown-variable", file, f"Assign writes variable '{vid}', which no ReadValue reads",
+                                    layer=f"layer {el.get('id')} '{el.get('name', '')}' (Assign)",
+                                    expected=f"a ReadValue's variable_id ({known})", found=repr(vid))
 
 
 def _read_layer(el: Element, file: str, path: str) -> _Layer:

@@ -68,6 +68,13 @@ class PassError(KvcError):
     exit_code = 6
 
 
+class OutputError(KvcError):
+    """The output cannot be written: a full disk, a quota, a file size limit, a read-only or
+    forbidden directory. Nothing is published."""
+
+    exit_code = 7
+
+
 def openvino_reason(exc: BaseException) -> str:
     """The informative line of an OpenVINO exception: its text nests "Exception from <file>"
     headers around the actual message, which comes last."""

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import openvino as ov
 
-from kvc.passes import PassManager
+from kvc.passes import PassFailure, PassManager
 from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, F32_ATOL, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
@@ -69,6 +69,13 @@ def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=
            seed: int = 0, file: str = "<model>") -> BisectReport:
     """Walk the common passes and then every branch of `options`; stop at the first bad pass.
     `file` names the model in errors."""
+    try:
+        return _bisect(model, options, prompt, steps, seed, file)
+    except PassFailure as exc:
+        raise exc.in_file(file) from None
+
+
+def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: int, file: str) -> BisectReport:
     from kvc.errors import PassError, UsageError
     from kvc.export.build import branch_passes, common_passes
 

@@ -101,16 +101,24 @@ class PassFailure(PassError):
         self.pass_name = pass_name
         self.node = describe_node(node) if node is not None else None
         self.reason = reason
+        self.file: str | None = None  # the model file, named by whoever loaded it (compile, bisect)
         self.context: list[str] = []  # lines the PassManager adds (passes before, dump path)
         super().__init__(self._message())
 
     def _message(self) -> str:
         where = f" at {self.node}" if self.node else ""
-        return "\n".join([f"pass {self.pass_name} failed{where}: {self.reason}", *self.context])
+        source = f"{self.file}: " if self.file else ""
+        return "\n".join([f"{source}pass {self.pass_name} failed{where}: {self.reason}", *self.context])
 
     def add_context(self, line: str) -> None:
         self.context.append(line)
         self.args = (self._message(),)
+
+    def in_file(self, file) -> PassFailure:
+        """Name the model file the failing model was read from; returns self, to re-raise."""
+        self.file = str(file)
+        self.args = (self._message(),)
+        return self
 
     def __str__(self) -> str:
         return self._message()
