@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import re
 import shutil
@@ -213,13 +214,37 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progr
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
         _require_kv_cache(model, resolve(model_path).model)
+        beyond = _beyond_max_positions(resolve(model_path).root, options.static)
+        if beyond:
+            progress(f"warning: {beyond}; positions past it are outside what the model was built for")
         try:
             static = build_static(model, options.static, instr, bundle=bundle)
         except PassFailure as exc:
+            if beyond:
+                exc.add_context(f"note: {beyond}; lower --max-prompt-len/--min-response-len to fit")
             raise exc.in_file(resolve(model_path).model) from None
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()
     return static, xmls
+
+
+_MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
+
+
+def _beyond_max_positions(source_dir: Path, options: StaticOptions) -> str | None:
+    """When the capacity P + R exceeds the maximum positions the model's config.json states
+    (learned position tables and precomputed ALiBi or band tables stop there), say so."""
+    try:
+        config = json.loads((source_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    key = next((k for k in _MAX_POSITIONS_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    capacity = options.lengths().capacity
+    if key is None or capacity <= config[key]:
+        return None
+    return f"the capacity P + R = {capacity} exceeds the model's {key} = {config[key]} (config.json)"
 
 
 def _require_kv_cache(model, file: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
-from kvc.export.manifest import check_blob_version, check_files, plan_of, read_manifest
+from kvc.export.manifest import check_blob_version, check_files, check_ports, plan_of, read_manifest
 from kvc.ir.reader import core, load
 from kvc.runtime.session import NumpySession, OpenVINOSession, Session
 from kvc.runtime.static_pipeline import StaticPipeline
@@ -26,11 +26,9 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool) -> Session:
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
-    if backend == "numpy":
-        return NumpySession(load(directory / entry["xml"], weights=weights))
-    device = _DEVICE[backend]
+    device = _DEVICE.get(backend)
     blob = entry["blobs"].get(device)
-    if blob is not None and not from_ir:
+    if backend != "numpy" and blob is not None and not from_ir:
         check_blob_version(manifest, directory)
         config = dict(blob["import_config"])
         if "WEIGHTS_PATH" in config:
@@ -39,9 +37,13 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
             compiled = core().import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device, config)
         except RuntimeError as exc:
             raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
+        check_ports(directory, name, entry, compiled.inputs, compiled.outputs)
         return OpenVINOSession(compiled, device)
-    return OpenVINOSession(load(directory / entry["xml"], weights=weights), device,
-                           device_config(device, for_export=False))
+    model = load(directory / entry["xml"], weights=weights)
+    check_ports(directory, name, entry, model.inputs, model.outputs)
+    if backend == "numpy":
+        return NumpySession(model)
+    return OpenVINOSession(model, device, device_config(device, for_export=False))
 
 
 def backend_config(manifest: dict, backend: str, *, from_ir: bool = False) -> dict | None:

@@ -85,9 +85,9 @@ def read_manifest(directory: str | Path) -> dict:
         raise InvalidModelError("no-manifest", str(directory), "not a kvc compiled directory",
                                 expected=f"{MANIFEST} written by `kvc compile`", found="no manifest")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InvalidModelError("bad-manifest", str(path), f"manifest is not valid JSON: {exc}") from None
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidModelError("bad-manifest", str(path), f"manifest is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise InvalidModelError("bad-manifest", str(path), "unknown manifest format (recompile with this kvc)",
@@ -125,16 +125,109 @@ def _check_structure(manifest: dict, path: Path) -> None:
                 and isinstance(entry.get("sha256"), str)):
             raise bad(f"file {name!r} has no size and sha256", expected='{"bytes": int, "sha256": str}',
                       found=repr(entry)[:80])
+    if not isinstance(manifest["weights"], str):
+        raise bad("weights is not a file name", expected="a string", found=repr(manifest["weights"])[:80])
     named = [manifest["weights"]]
     for model_name, model in manifest["models"].items():
-        if not isinstance(model, dict) or not isinstance(model.get("blobs", {}), dict):
-            raise bad(f"model {model_name!r} is malformed")
-        named.append(model.get("xml"))
-        named += [b.get("file") if isinstance(b, dict) else None for b in model.get("blobs", {}).values()]
+        _check_model(model_name, model, bad)
+        named.append(model["xml"])
+        named += [b["file"] for b in model["blobs"].values()]
     for name in named:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "in files")
+    _check_plan_against_ports(manifest, bad)
+
+
+def _is_port(p) -> bool:
+    return (isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("element_type"), str)
+            and isinstance(p.get("shape"), list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40 for n in p["shape"]))
+
+
+def _check_model(name, model, bad) -> None:
+    """One entry of `models`: its name, xml, ports and blobs, with the types kvc reads."""
+    if not (name == "prefill" or (name.startswith("generate-") and name[9:].isdigit())):
+        raise bad(f"unknown model name {name!r}", expected="prefill or generate-<size>", found=repr(name)[:80])
+    if not isinstance(model, dict) or not isinstance(model.get("xml"), str):
+        raise bad(f"model {name!r} is malformed", expected='{"xml": str, "inputs", "outputs", "blobs"}',
+                  found=repr(model)[:80])
+    for side in ("inputs", "outputs"):
+        ports = model.get(side)
+        if not isinstance(ports, list) or not all(_is_port(p) for p in ports):
+            raise bad(f"model {name!r} has malformed {side}", expected='[{"name": str, "element_type": str, '
+                      '"shape": [int, ...]}, ...]', found=repr(ports)[:80])
+    blobs = model.get("blobs")
+    if not isinstance(blobs, dict) or not all(
+            isinstance(b, dict) and isinstance(b.get("file"), str) and isinstance(b.get("import_config"), dict)
+            and all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in b["import_config"].items())
+            for b in blobs.values()):
+        raise bad(f"model {name!r} has malformed blobs", expected='{device: {"file": str, "import_config": {..}}}',
+                  found=repr(blobs)[:80])
+
+
+def _check_plan_against_ports(manifest: dict, bad) -> None:
+    """The plan and the models' port tables tell the same story: the generate models are the
+    plan's sizes; every model has logits [.., V] with one V; every KV tensor of the plan is a
+    past input of every generate model (with `size - tokens` rows) and a present output of
+    every model, in the plan's element type and with the plan's shape off the sequence axis."""
+    plan = StaticPlan.from_dict(manifest["plan"])
+    models = manifest["models"]
+    sizes = sorted(int(n[9:]) for n in models if n != "prefill")
+    if sizes != sorted(plan.lengths.sizes):
+        raise bad("the generate models are not the plan's sizes", expected=sorted(plan.lengths.sizes), found=sizes)
+    vocab = set()
+    for name, model in models.items():
+        inputs = {p["name"]: p for p in model["inputs"]}
+        outputs = {p["name"]: p for p in model["outputs"]}
+        logits = outputs.get("logits")
+        if logits is None or not logits["shape"] or logits["shape"][-1] < 1:
+            raise bad(f"model {name!r} has no logits output [.., V]", found=sorted(outputs))
+        vocab.add(logits["shape"][-1])
+        for spec in plan.kv:
+            if spec.shape[spec.seq_axis] != max(sizes) - plan.lengths.tokens:
+                raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
+                          expected=f"{max(sizes) - plan.lengths.tokens} rows on axis {spec.seq_axis}",
+                          found=f"shape {list(spec.shape)}")
+            wanted = [(outputs, spec.output, "output", None)]
+            if name != "prefill":
+                wanted.append((inputs, spec.input, "input", int(name[9:]) - plan.lengths.tokens))
+            for ports, port, side, rows in wanted:
+                found = ports.get(port)
+                if found is None:
+                    raise bad(f"the plan's KV {side} {port!r} is not a port of model {name!r}",
+                              expected=port, found=sorted(ports))
+                shape = found["shape"]
+                expect = list(spec.shape)
+                if len(shape) == len(expect):
+                    expect[spec.seq_axis] = rows if rows is not None else shape[spec.seq_axis]
+                if found["element_type"] != spec.element_type or shape != expect:
+                    raise bad(f"model {name!r}'s {side} {port!r} does not match the plan's KV layout",
+                              expected=f"{spec.element_type} {expect}", found=f"{found['element_type']} {shape}")
+    if len(vocab) != 1:
+        raise bad("the models disagree on the vocabulary size", expected="one V", found=sorted(vocab))
+
+
+def check_ports(directory, name: str, entry: dict, ports_in, ports_out) -> None:
+    """A loaded model (IR or blob) has the ports its manifest entry lists: each listed name
+    (a port may carry several tensor names) with its element type and shape, and no others.
+    Otherwise the pipeline would feed it buffers of the wrong layout."""
+    for side, listed, actual in (("inputs", entry["inputs"], ports_in), ("outputs", entry["outputs"], ports_out)):
+        by_name = {n: p for p in actual for n in p.get_names()}
+        wrong = []
+        for port in listed:
+            found = by_name.get(port["name"])
+            have = None if found is None else (found.get_element_type().get_type_name(),
+                                               [d.get_length() if d.is_static else -1 for d in found.get_partial_shape()])
+            if have != (port["element_type"], port["shape"]):
+                wrong.append((port["name"], (port["element_type"], port["shape"]), have))
+        if wrong or len(listed) != len(actual):
+            raise InvalidModelError("ports-differ", str(Path(directory) / MANIFEST),
+                                    f"model {name!r}'s {side} differ from what the manifest lists",
+                                    expected="; ".join(f"{n} {w}" for n, w, _ in wrong[:3]) or f"{len(listed)} ports",
+                                    found="; ".join(f"{n} {h or 'no such port'}" for n, _, h in wrong[:3])
+                                    or f"{len(actual)} ports")
+
 
 
 def plan_of(manifest: dict) -> StaticPlan:

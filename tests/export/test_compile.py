@@ -246,3 +246,26 @@ def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
         pipe = open_compiled(out, backend)
         for prompt in golden["prompts"]:
             assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], (backend, prompt["name"])
+
+
+def test_a_capacity_past_the_models_max_positions_is_said(tmp_path):
+    """mpt's ALiBi table stops at max_seq_len = 256: the pass failure says why, and what to do;
+    gpt2's learned positions compile, with a warning."""
+    from kvc.passes import PassFailure
+
+    beyond = StaticOptions(max_prompt_len=256, min_response_len=64)
+    with pytest.raises(PassFailure) as info:
+        compile_to(fixtures.path("mpt"), tmp_path / "mpt", CompileOptions(beyond, devices=(), verify=False))
+    text = str(info.value)
+    assert text.startswith(str(fixtures.path("mpt") / "openvino_model.xml") + ": pass static-shape failed")
+    assert "note: the capacity P + R = 320 exceeds the model's max_seq_len = 256 (config.json); " \
+           "lower --max-prompt-len/--min-response-len to fit" in text
+    said = []
+    compile_to(fixtures.path("gpt2"), tmp_path / "gpt2", CompileOptions(beyond, devices=(), verify=False),
+               progress=said.append)
+    assert "warning: the capacity P + R = 320 exceeds the model's n_positions = 256 (config.json); positions " \
+           "past it are outside what the model was built for" in said
+    said.clear()
+    compile_to(fixtures.path("gpt2"), tmp_path / "gpt2-fits", CompileOptions(SMALL, devices=(), verify=False),
+               progress=said.append)
+    assert not [s for s in said if "warning" in s]
