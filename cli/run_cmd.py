@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -42,16 +43,32 @@ def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, as_json)
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     tokenizer = load_tokenizer(out) if text is not None else None
     ids = tokenizer.encode(text).ids if tokenizer else parse_ids(prompt_ids)
-    gen = open_compiled(out, backend, from_ir=from_ir, sha256=check).generate(ids, max_new_tokens)
+    started = time.perf_counter()
+    pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+    load_seconds = time.perf_counter() - started
+    gen = pipeline.generate(ids, max_new_tokens)
     decoded = tokenizer.decode(gen.tokens) if tokenizer else None
+    metrics = gen.metrics(load_seconds)
     if as_json:
         echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend,
-                   "variants": sorted(set(gen.variants))})
+                   "variants": metrics["variants"], "metrics": metrics})
         return
     click.echo(f"prompt ({len(ids)} tokens): {ids}")
     click.echo(f"generated ({len(gen.tokens)} tokens): {gen.tokens}")
     if decoded is not None:
         click.echo(f"text: {printable(decoded)}")
+    click.echo(metrics_line(metrics, backend))
+
+
+def metrics_line(m: dict, backend: str) -> str:
+    """genai's PerfMetrics in one line: load, TTFT, TPOT (mean, p50, p90), throughput, variants."""
+    parts = [f"{backend}: load {m['load_ms']:.0f} ms", f"TTFT {m['ttft_ms']:.1f} ms"]
+    if m["tpot_ms"]:
+        t = m["tpot_ms"]
+        parts.append(f"TPOT {t['mean']:.2f} ms (p50 {t['p50']:.2f}, p90 {t['p90']:.2f})")
+        parts.append(f"{m['throughput_tokens_per_s']:.1f} tokens/s")
+    parts.append("variants " + (", ".join(map(str, m["variants"])) or "none"))
+    return " · ".join(parts)
 
 
 def printable(text: str) -> str:

@@ -45,6 +45,24 @@ class StaticGeneration(Generation):
     step_seconds: list[float] = field(default_factory=list)  # wall time of each generate step
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
 
+    def metrics(self, load_seconds: float | None = None) -> dict:
+        """What openvino.genai's PerfMetrics report, in milliseconds: TTFT (the prefill, which
+        yields the first token), TPOT (each later token: one generate step) as mean, p50 and
+        p90, throughput in tokens per second after the first (1000 / mean TPOT, as genai), the
+        whole generation, and the load time when given. Wall clock, this run only."""
+        steps = np.asarray(self.step_seconds, dtype=np.float64) * 1e3
+        tpot = ({"mean": float(steps.mean()), "p50": float(np.percentile(steps, 50)),
+                 "p90": float(np.percentile(steps, 90))} if steps.size else None)
+        return {
+            "load_ms": None if load_seconds is None else load_seconds * 1e3,
+            "ttft_ms": self.prefill_seconds * 1e3,
+            "tpot_ms": tpot,
+            "throughput_tokens_per_s": 1e3 / tpot["mean"] if tpot and tpot["mean"] > 0 else None,
+            "generate_ms": (self.prefill_seconds + float(np.sum(self.step_seconds))) * 1e3,
+            "new_tokens": len(self.tokens),
+            "variants": sorted(set(self.variants)),
+        }
+
 
 def max_new_tokens(lengths: LengthPlan, prompt_len: int) -> int:
     """How many tokens can follow a prompt of `prompt_len` tokens."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -82,7 +83,16 @@ def test_run_ids_and_json(compiled):
     data = json.loads(kvc("run", compiled, "--prompt-ids", ids, "--max-new-tokens", "24", "--json",
                           "--backend", "numpy").stdout)
     assert data["tokens"] == golden["tokens"]["openvino"]
-    assert "generated (24 tokens)" in kvc("run", compiled, "--prompt-ids", ids, "--max-new-tokens", "24").output
+    m = data["metrics"]  # genai's PerfMetrics, in ms
+    assert m["new_tokens"] == 24 and m["variants"] == data["variants"] and data["variants"]
+    assert m["load_ms"] > 0 and m["ttft_ms"] > 0
+    assert 0 < m["tpot_ms"]["p50"] <= m["tpot_ms"]["p90"]
+    assert m["throughput_tokens_per_s"] == pytest.approx(1e3 / m["tpot_ms"]["mean"])
+    assert m["generate_ms"] == pytest.approx(m["ttft_ms"] + 23 * m["tpot_ms"]["mean"])
+    text = kvc("run", compiled, "--prompt-ids", ids, "--max-new-tokens", "24").output
+    assert "generated (24 tokens)" in text
+    assert re.search(r"^openvino: load \d+ ms · TTFT [\d.]+ ms · TPOT [\d.]+ ms \(p50 [\d.]+, p90 [\d.]+\) · "
+                     r"[\d.]+ tokens/s · variants \d+", text, re.M), text
 
 
 def test_run_text_prompt(compiled):
