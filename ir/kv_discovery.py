@@ -25,7 +25,7 @@ import openvino as ov
 from kvc.errors import InvalidModelError
 
 # `key_value` is GPTBigCode's fused cache; the lookahead keeps `key` from matching its prefix.
-_PAST = re.compile(r"past_key_values\.(\d+)\.(key_value|key|value)(?![A-Za-z_])")
+_PAST = re.compile(r"past_key_values\.(\d+)\.(key_value|key|value)(?=present|[^A-Za-z_]|$)")
 _PRESENT = re.compile(r"present\.(\d+)\.(key_value|key|value)(?![A-Za-z_])")
 # Ops a cache tensor flows through unchanged in meaning on its way to attention or a Concat.
 _PASS_THROUGH = {"Convert", "Gather", "Reshape", "Unsqueeze", "Squeeze", "Broadcast", "Transpose",

@@ -19,7 +19,8 @@ def _models():
     yield "tiny", tiny_model
     for name in fixture_names():
         yield name, lambda name=name: ir.load(fixtures.path(name))
-        yield name + "-stateless", lambda name=name: ir.load(fixtures.path(name, "stateless"))
+        if "stateless" in fixtures.forms(name):
+            yield name + "-stateless", lambda name=name: ir.load(fixtures.path(name, "stateless"))
 
 
 MODELS = dict(_models())

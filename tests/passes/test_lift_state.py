@@ -11,6 +11,7 @@ from kvc import fixtures
 from kvc.passes import PassFailure, PassManager, parse_pipeline
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
+from tests.conftest import fixture_names
 from tests.passes.models import counter_model, kv_model
 
 
@@ -105,8 +106,9 @@ def test_models_without_beam_idx_are_accepted():
         openvino_lifted(kv_model(ids, beam=False))  # OpenVINO's pass refuses these
 
 
-def test_unchanged_when_stateless(fixture_name):
-    model = ir.load(fixtures.path(fixture_name, "stateless"))
+@pytest.mark.parametrize("name", [n for n in fixture_names() if "stateless" in fixtures.forms(n)])
+def test_unchanged_when_stateless(name):
+    model = ir.load(fixtures.path(name, "stateless"))
     before = ir.to_text(model)
     run = PassManager(parse_pipeline("lift-state"), use_env=False).run(model)
     assert not run.records[0].modified

@@ -44,9 +44,11 @@ def test_goldens_agree_across_engines_as_recorded(fixture_name):
     assert len(golden["prompts"]) >= 2
     lengths = sorted(len(p["ids"]) for p in golden["prompts"])
     assert lengths[0] <= 8 and lengths[-1] >= 40
+    peer = fixtures.peer_engine(fixture_name)
     for prompt in golden["prompts"]:
         streams = prompt["tokens"]
-        assert streams["torch"] == streams["openvino"] == streams[fixtures.peer_engine(fixture_name)]
+        assert set(streams) == {"torch", "openvino"} | ({peer} if peer else set())
+        assert all(tokens == streams["torch"] for tokens in streams.values())
         assert len(streams["torch"]) == golden["max_new_tokens"] == 24
 
 
