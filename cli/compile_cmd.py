@@ -31,7 +31,7 @@ def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
     """
     from kvc.export.compile import CompileOptions, compile_to
 
-    static = pop_static(kwargs)
+    static = pop_static(kwargs, devices)
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
     for note in static.lengths().notes:

@@ -85,6 +85,31 @@ def pass_plugin_option(f):
                         help="Import a Python file that registers passes (then usable in --passes); repeatable.")(f)
 
 
+# The CPU's default prefill chunk, measured by bench/ttft.py on the 250M Llama (docs/benchmarks.md):
+# of 16, 32 and 64, 32 has the best worst-case TTFT against the stateful model over prompts of
+# 16 to 1000 tokens (1.8x, where the whole 1024-token prefill is 45x at 16 tokens).
+CPU_CHUNK = 32
+
+
+def _chunk_value(ctx, param, value):
+    if value == "auto":
+        return value
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = -1
+    if chunk < 0:
+        raise click.BadParameter(f"expected auto or a size >= 0, found {value!r}")
+    return chunk
+
+
+def resolve_chunk(value, devices=("CPU",)) -> int:
+    """--prefill-chunk-size auto: CPU_CHUNK when every device is the CPU, else 0."""
+    if value != "auto":
+        return value
+    return CPU_CHUNK if set(devices) <= {"CPU"} else 0
+
+
 def static_options(f):
     """The options that shape the static pipeline, named after NPUW's properties."""
     options = [
@@ -93,8 +118,9 @@ def static_options(f):
                      help="Longest prompt the prefill takes (NPUW_LLM_MAX_PROMPT_LEN); aligned up to 64."),
         click.option("--min-response-len", type=click.IntRange(min=1), default=128, show_default=True,
                      help="Tokens guaranteed after a full prompt (NPUW_LLM_MIN_RESPONSE_LEN); aligned up to 64."),
-        click.option("--prefill-chunk-size", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Chunked prefill size, a power of two (0: the whole prompt at once)."),
+        click.option("--prefill-chunk-size", default="auto", show_default=True, callback=_chunk_value,
+                     help="Chunked prefill size, a power of two (0: the whole prompt at once). auto: "
+                          f"{CPU_CHUNK} when compiling for CPU only, else 0 (NPUW's default: up to 1024 at once)."),
         click.option("--variants", default="single", show_default=True,
                      help="Generate variants: 'single' (P+R), 'pyramid' (NPUW's 1024*2^k+R), or sizes like 256,512."),
         click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
@@ -128,7 +154,9 @@ STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "vari
                "slice_logits", "beam", "attention", "passes_")
 
 
-def pop_static(kwargs: dict):
+def pop_static(kwargs: dict, devices=("CPU",)):
+    """The StaticOptions of the command's options; `auto` values resolved for `devices`."""
+    kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices)
     return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
 
 

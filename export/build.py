@@ -1,6 +1,6 @@
 """Build the static model set of a pipeline: one prefill model and sized generate variants.
 
-    loaded model ──common passes (lift-state, dense-experts; or --passes)──► lifted model
+    loaded model ──common passes (lift-state, dense-experts, rotate-half-rope; or --passes)──► lifted
                     ├─ static-shape{prefill}    → tail ─► "prefill"
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
@@ -33,6 +33,7 @@ from kvc.passes.kv_io import KVIO
 from kvc.passes.lift_state import LiftState
 from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
+from kvc.passes.rotate_half_rope import RotateHalfRope
 from kvc.passes.static_shape import StaticShape
 from kvc.passes.unmask_pad_rows import UnmaskPadRows
 from kvc.plan import KVSpec, StaticOptions, StaticPlan
@@ -50,9 +51,10 @@ class StaticModels:
 
 
 def common_passes(options: StaticOptions) -> list[Pass]:
-    """The passes run once on the loaded model: `--passes` as typed, else lift-state and
-    dense-experts (kvc.passes.DEFAULT_PIPELINE)."""
-    return parse_pipeline(options.passes) if options.passes else [LiftState(beam=options.beam), DenseExperts()]
+    """The passes run once on the loaded model: `--passes` as typed, else lift-state,
+    dense-experts and rotate-half-rope (kvc.passes.DEFAULT_PIPELINE)."""
+    return parse_pipeline(options.passes) if options.passes else [LiftState(beam=options.beam), DenseExperts(),
+                                                                  RotateHalfRope()]
 
 
 def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:

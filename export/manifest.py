@@ -132,6 +132,11 @@ def _check_structure(manifest: dict, path: Path) -> None:
         _check_model(model_name, model, bad)
         named.append(model["xml"])
         named += [b["file"] for b in model["blobs"].values()]
+        for device, blob in model["blobs"].items():
+            weights = blob["import_config"].get("WEIGHTS_PATH", manifest["weights"])
+            if weights != manifest["weights"]:  # the blob's weights are the directory's weights file
+                raise bad(f"model {model_name!r}'s {device} blob imports its weights from elsewhere",
+                          expected=f"WEIGHTS_PATH {manifest['weights']!r}", found=repr(weights)[:80])
     for name in named:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
@@ -177,9 +182,17 @@ def _check_plan_against_ports(manifest: dict, bad) -> None:
     if sizes != sorted(plan.lengths.sizes):
         raise bad("the generate models are not the plan's sizes", expected=sorted(plan.lengths.sizes), found=sizes)
     vocab = set()
+    L = plan.lengths
     for name, model in models.items():
         inputs = {p["name"]: p for p in model["inputs"]}
         outputs = {p["name"]: p for p in model["outputs"]}
+        # The token inputs the pipeline feeds: [1, C or P] ids and [1, P] mask for the prefill,
+        # [1, G] ids and [1, T] mask for generate-T.
+        step, span = (L.chunk or L.prompt, L.prompt) if name == "prefill" else (L.tokens, int(name[9:]))
+        for port, want in (("input_ids", [1, step]), ("attention_mask", [1, span])):
+            if port not in inputs or inputs[port]["shape"] != want:
+                raise bad(f"model {name!r}'s {port} does not match the plan's lengths", expected=want,
+                          found=inputs[port]["shape"] if port in inputs else "no such input")
         logits = outputs.get("logits")
         if logits is None or not logits["shape"] or logits["shape"][-1] < 1:
             raise bad(f"model {name!r} has no logits output [.., V]", found=sorted(outputs))

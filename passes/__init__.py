@@ -14,11 +14,12 @@ from kvc.passes.framework.manager import Instrumentation, PassManager, PipelineR
 from kvc.passes.framework.registry import format_pipeline, get_pass, parse_pipeline, registered
 
 PASS_MODULES = ("lift_state", "dense_experts", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io",
-                "mask_positions", "unmask_pad_rows", "group_attention")
+                "mask_positions", "unmask_pad_rows", "group_attention", "rotate_half_rope")
 
-# What `kvc compile` runs before static shaping: lift the state into inputs/outputs, and give
-# MoE expert blocks a static shape (a no-op on other models).
-DEFAULT_PIPELINE = "lift-state,dense-experts"
+# What `kvc compile` runs before static shaping: lift the state into inputs/outputs, give MoE
+# expert blocks a static shape, and write split-halves rotary as rotate-half (both no-ops on
+# models without the pattern).
+DEFAULT_PIPELINE = "lift-state,dense-experts,rotate-half-rope"
 
 
 @functools.cache

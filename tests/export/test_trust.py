@@ -226,10 +226,12 @@ def test_beam_keep_is_refused_up_front_by_the_library():
         StaticOptions(beam="keep")
 
 
-@pytest.mark.parametrize("name", ["gptj", "cohere"])
+@pytest.mark.parametrize("name", ["gptj", "cohere", "gpt_oss"])
 def test_interleaved_rotary_blobs_import_and_match_the_ir(name, tmp_path):
     """GPT-J (rotary_dim 8 of 16) and Cohere rotate with x[..., ::2] slices, whose INT64_MAX
-    stops OpenVINO 2026.4.1's CPU plugin restored wrongly from a weightless blob."""
+    stops OpenVINO 2026.4.1's CPU plugin restored wrongly from a weightless blob; GPT-OSS's
+    split-halves rotary is fused by that plugin into a RoPE node that computes differently
+    after export and import (kvc's rotate-half-rope rewrites it)."""
     out = tmp_path / name
     kvc("compile", fixtures.path(name), "-o", out, *SMALL, "--device", "CPU")
     args = ("--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json")
@@ -246,4 +248,14 @@ def test_without_embedded_small_constants_the_blob_check_refuses_gptj(tmp_path, 
     out = tmp_path / "gptj"
     result = kvc("compile", fixtures.path("gptj"), "-o", out, *SMALL, "--device", "CPU", code=5)
     assert re.search(r"cannot import (prefill|generate-128)\.CPU\.blob on CPU: .*incompatible", result.output)
+    assert not out.exists()
+
+
+def test_without_rotate_half_rope_the_blob_check_refuses_gpt_oss(tmp_path):
+    """GPT-OSS compiled with the common passes but not rotate-half-rope: the CPU blobs do not
+    reproduce the IR, and compile publishes nothing (exit 4)."""
+    out = tmp_path / "gpt_oss"
+    result = kvc("compile", fixtures.path("gpt_oss"), "-o", out, *SMALL, "--device", "CPU",
+                 "--passes", "lift-state,dense-experts", code=4)
+    assert "the CPU blobs do not reproduce the static IR" in result.output
     assert not out.exists()

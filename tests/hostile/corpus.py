@@ -562,6 +562,10 @@ def build(tmp: Path) -> list[Case]:
             Run("run", cd, INVALID, ("manifest.json", "blobs"))]),
         ("compiled-manifest-port-garbage", "a model's logits port replaced by a number (fuzz)", [
             Run("run", cd, INVALID, ("manifest.json", "outputs"))]),
+        ("compiled-manifest-weights-path", "a blob's WEIGHTS_PATH pointing out of the directory (fuzz)", [
+            Run("run", cd, INVALID, ("manifest.json", "WEIGHTS_PATH"))]),
+        ("compiled-manifest-lengths-lie", "the plan's max_prompt_len 64 -> 65, the models unchanged (fuzz)", [
+            Run("run", cd, INVALID, ("manifest.json", "lengths"))]),
         ("compiled-manifest-ports-lie", "the manifest lists a prefill input shape the model does not have", [
             Run("run", cd, INVALID, ("manifest.json", "input_ids"))]),
     ):
@@ -622,6 +626,10 @@ def prepare_compiled(case: Case, good: Path) -> None:
         m["models"]["prefill"]["blobs"]["CPU"]["import_config"] = "x" * 40
     elif n == "compiled-manifest-port-garbage":
         m["models"]["prefill"]["outputs"][0] = 1
+    elif n == "compiled-manifest-weights-path":
+        m["models"]["prefill"]["blobs"]["CPU"]["import_config"]["WEIGHTS_PATH"] = "../../outside.bin"
+    elif n == "compiled-manifest-lengths-lie":
+        m["plan"]["lengths"]["max_prompt_len"] += 1
     elif n == "compiled-manifest-ports-lie":
         port = next(p for p in m["models"]["prefill"]["inputs"] if p["name"] == "input_ids")
         port["shape"][-1] += 1

@@ -96,47 +96,28 @@ class FuzzReport:
 # Mutators: each takes (rng, data) and returns (new data, a description).
 
 
-def _ir_attr_number(rng, text):
-    spots = list(re.finditer(r'\b([\w-]+)="(-?\d+(?:,\s*-?\d+)*)"', text))
-    m = rng.choice(spots)
-    new = rng.choice(EDGE_INTS)
-    return text[:m.start(2)] + new + text[m.end(2):], f"{m.group(1)}={m.group(2)!r}->{new!r} @{m.start()}"
+def _replacer(pattern: str, choices, label: str):
+    """A mutator that replaces the last group of one random match of `pattern` by a choice
+    (`choices` may be a function of the text, for values taken from it)."""
+    regex = re.compile(pattern)
+
+    def mutate(rng, text):
+        m = rng.choice(list(regex.finditer(text)))
+        new = rng.choice(choices(text) if callable(choices) else choices)
+        g = m.lastindex
+        return text[:m.start(g)] + new + text[m.end(g):], f"{label} {m.group(0)[:40]!r}: {m.group(g)!r}->{new!r}"
+    return mutate
 
 
-def _ir_dim(rng, text):
-    spots = list(re.finditer(r"<dim>([^<]*)</dim>", text))
-    m = rng.choice(spots)
-    new = rng.choice(EDGE_INTS + ["?", "-1", "1..", "..3", "5..2"])
-    return text[:m.start(1)] + new + text[m.end(1):], f"dim {m.group(1)!r}->{new!r} @{m.start()}"
-
-
-def _ir_element_type(rng, text):
-    spots = list(re.finditer(r'(element_type|precision)="(\w*)"', text))
-    m = rng.choice(spots)
-    new = rng.choice(ELEMENT_TYPES)
-    return text[:m.start(2)] + new + text[m.end(2):], f"{m.group(1)} {m.group(2)}->{new} @{m.start()}"
-
-
-def _ir_op_type(rng, text):
-    spots = list(re.finditer(r'<layer [^>]*type="(\w*)"', text))
-    m = rng.choice(spots)
-    new = rng.choice(OP_TYPES)
-    return text[:m.start(1)] + new + text[m.end(1):], f"type {m.group(1)}->{new} @{m.start()}"
-
-
-def _ir_version(rng, text):
-    spots = list(re.finditer(r'version="(\w*)"', text))
-    m = rng.choice(spots)
-    new = rng.choice(["opset1", "opset13", "opset99", "internal", "", "ie"])
-    return text[:m.start(1)] + new + text[m.end(1):], f"version {m.group(1)}->{new} @{m.start()}"
-
-
-def _ir_rewire(rng, text):
-    ids = re.findall(r'<layer id="(\d+)"', text)
-    spots = list(re.finditer(r'(from-layer|to-layer)="(\d+)"', text))
-    m = rng.choice(spots)
-    new = rng.choice(ids)
-    return text[:m.start(2)] + new + text[m.end(2):], f"{m.group(1)} {m.group(2)}->{new} @{m.start()}"
+IR_TEXT_MUTATORS = (
+    _replacer(r'\b([\w-]+)="(-?\d+(?:,\s*-?\d+)*)"', EDGE_INTS, "number"),  # ids, ports, offsets, sizes
+    _replacer(r'\b([\w-]+)="(-?\d+(?:,\s*-?\d+)*)"', EDGE_INTS, "number"),  # (twice as likely)
+    _replacer(r"<dim>([^<]*)</dim>", EDGE_INTS + ["?", "-1", "1..", "..3", "5..2"], "dim"),
+    _replacer(r'(element_type|precision)="(\w*)"', ELEMENT_TYPES, "element type"),
+    _replacer(r'<layer [^>]*type="(\w*)"', OP_TYPES, "op type"),
+    _replacer(r'version="(\w*)"', ["opset1", "opset13", "opset99", "internal", "", "ie"], "version"),
+    _replacer(r'(from-layer|to-layer)="(\d+)"', lambda text: re.findall(r'<layer id="(\d+)"', text), "edge"),
+)
 
 
 def _lines(rng, text):
@@ -171,8 +152,7 @@ def _bytes(rng, data: bytes):
     return bytes(data), f"zero {n} bytes at {s}"
 
 
-IR_TEXT_MUTATORS = (_ir_attr_number, _ir_attr_number, _ir_dim, _ir_element_type, _ir_op_type, _ir_version,
-                    _ir_rewire, _lines)
+IR_TEXT_MUTATORS += (_lines,)
 
 
 def mutate_ir(rng: random.Random, text: str) -> tuple[bytes, list[str]]:
@@ -319,6 +299,7 @@ def classify(e: Execution, code: int | None, output: str, leftovers: list[str]) 
 
 def good_directory(work: Path) -> tuple[Path, list[int]]:
     """A compiled llama directory and the tokens `kvc run` gives on it (the unmutated answer)."""
+    work.mkdir(parents=True, exist_ok=True)
     good = work / "good"
     if not (good / "manifest.json").is_file():
         code, out, _ = run_forked(["compile", str(FIXTURE), "-o", str(good), *SMALL], work, timeout=300)

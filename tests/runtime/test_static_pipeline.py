@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -147,6 +148,9 @@ NPUW_LLM_FAILS = {
     "olmo2": ("compile", "Model references undeclared parameters"),
     # the expert blocks' data-dependent bounds stay dynamic (kvc's dense-experts rewrites them)
     "granitemoe": ("compile", "to_shape was called on a dynamic shape"),
+    # it runs GPT-OSS (sinks, MoE, split-halves rotary) but its logits are off (NRMSE 0.022 on
+    # a 17-token prompt) where kvc's static models through the same plugin agree
+    "gpt_oss": ("agree", "NRMSE \\S+ > 0.01"),
     # it compiles an ALiBi model without position_ids but cannot run it (it looks the input up
     # by name); kvc reshapes only the inputs a model has
     "bloom": ("run", "unordered_map::at"),
@@ -174,6 +178,18 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys, record_property):
     from kvc.errors import DeviceError
 
     model = ir.load(fixtures.path(name))
+    if name in NPUW_LLM_FAILS and NPUW_LLM_FAILS[name][0] == "agree":  # it runs, and gives other numbers
+        message = NPUW_LLM_FAILS[name][1]
+        npuw = OpenVINOSession(ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG), "NPU")
+        ours = pipeline(name, "chunked", "npu")
+        theirs = [judge(ref, greedy(npuw, p, 24), reduced=True) for p, ref in zip(prompts(), reference(name))]
+        wrong = [v.reason for v in theirs if not v.ok and re.search(message, v.reason)]
+        assert wrong, [v.reason for v in theirs]
+        record_property("npuw_llm", f"disagrees: {wrong[0]}")
+        for prompt, ref in zip(prompts(), reference(name)):
+            verdict = judge(ref, ours.generate(prompt, 24), reduced=True)
+            assert verdict.ok, f"kvc/NPU, prompt of {len(prompt)} tokens: {verdict.reason}"
+        return
     if name in NPUW_LLM_FAILS:
         stage, message = NPUW_LLM_FAILS[name]
         record_property("npuw_llm", f"fails to {stage}: {message.replace(chr(92), '')}")
