@@ -19,8 +19,9 @@ output beside OUT), **accepted-wrong** (a mutated manifest gave different tokens
 a changed file passed `--check`). A finding is kept in FINDINGS/<target>-<n>/ with the mutated
 input and the command, to become a corpus case.
 
-Each execution is a fork of this process (kvc already imported), which makes an `inspect`
-cost ~0.05-0.4 s instead of a fresh interpreter's ~1.5 s.
+Each execution is a fork of a server process that imported kvc and never ran OpenVINO (a
+process that did has worker threads, and a fork of it can deadlock on their locks), which
+makes an `inspect` cost ~0.05-0.4 s instead of a fresh interpreter's ~1.5 s.
 
     python tests/hostile/fuzz.py --budget 400 --seed 1        # bench-length run
     tests/hostile/test_fuzz.py                                 # CI: a fixed seed and budget
@@ -277,6 +278,53 @@ def run_forked(argv: list[str], cwd: Path, timeout: float = TIMEOUT) -> tuple[in
     return code, out.decode(errors="replace"), time.monotonic() - t0
 
 
+class ForkServer:
+    """`python fuzz.py --serve` in a fresh process: one JSON request per line (argv, cwd,
+    timeout), answered by `run_forked` in that process. `plant` makes the server break kvc
+    first ("crash": opening a compiled directory raises; "no-check": file hashes are not
+    checked), so the tests can show the verdicts catch what they must."""
+
+    def __init__(self, plant: str | None = None):
+        import subprocess
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--serve"] + (["--plant", plant] if plant else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self, argv: list[str], cwd: Path, timeout: float = TIMEOUT) -> tuple[int | None, str, float]:
+        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fuzz server died (exit {self.proc.wait()})")
+        answer = json.loads(line)
+        return answer["code"], answer["output"], answer["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def serve(plant: str | None = None) -> None:
+    """The server loop (see ForkServer)."""
+    _prepare_cli()
+    if plant == "crash":
+        import kvc.export.load as load
+
+        def boom(*args, **kwargs):
+            raise ZeroDivisionError("planted")
+        load.read_manifest = boom
+    elif plant == "no-check":
+        import kvc.export.load as load
+        load.check_files = lambda *args, **kwargs: None
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing else may write to the answer stream
+    for line in sys.stdin:
+        request = json.loads(line)
+        code, output, seconds = run_forked(request["argv"], Path(request["cwd"]), request["timeout"])
+        out.write(json.dumps({"code": code, "output": output, "seconds": seconds}) + "\n")
+        out.flush()
+
+
 def classify(e: Execution, code: int | None, output: str, leftovers: list[str]) -> None:
     e.code = code
     err = re.search(r"^(kvc: internal error:.*|kvc: error:.*|\w*Error:.*)$", output, re.M)
@@ -297,15 +345,21 @@ def classify(e: Execution, code: int | None, output: str, leftovers: list[str]) 
 # The fuzz loop
 
 
-def good_directory(work: Path) -> tuple[Path, list[int]]:
+def good_directory(work: Path, server: ForkServer | None = None) -> tuple[Path, list[int]]:
     """A compiled llama directory and the tokens `kvc run` gives on it (the unmutated answer)."""
     work.mkdir(parents=True, exist_ok=True)
-    good = work / "good"
-    if not (good / "manifest.json").is_file():
-        code, out, _ = run_forked(["compile", str(FIXTURE), "-o", str(good), *SMALL], work, timeout=300)
-        if code != 0:
-            raise RuntimeError(f"compiling the good directory failed: {out[-2000:]}")
-    code, out, _ = run_forked(["run", str(good), *PROMPT], work)
+    own = server is None
+    server = server or ForkServer()
+    try:
+        good = work / "good"
+        if not (good / "manifest.json").is_file():
+            code, out, _ = server.run(["compile", str(FIXTURE), "-o", str(good), *SMALL], work, timeout=300)
+            if code != 0:
+                raise RuntimeError(f"compiling the good directory failed: {out[-2000:]}")
+        code, out, _ = server.run(["run", str(good), *PROMPT], work)
+    finally:
+        if own:
+            server.close()
     if code != 0:
         raise RuntimeError(f"kvc run on the good directory failed: {out[-2000:]}")
     return good, _tokens(out)
@@ -335,12 +389,21 @@ def _fresh(work: Path, name: str) -> Path:
 
 
 def fuzz(budget: int, seed: int, work: Path, targets=TARGETS, findings: Path | None = None,
-         echo=None, good: tuple[Path, list[int]] | None = None) -> FuzzReport:
+         echo=None, good: tuple[Path, list[int]] | None = None, plant: str | None = None) -> FuzzReport:
     """`budget` executions spread over `targets`, from `seed`; the same seed runs the same
-    inputs. `good`: the compiled directory and its tokens (`good_directory`), if made already."""
+    inputs. `good`: the compiled directory and its tokens (`good_directory`), if made already.
+    `plant`: break kvc on purpose in the server (ForkServer), to test the verdicts."""
+    server = ForkServer(plant)
+    try:
+        return _fuzz(budget, seed, work, targets, findings, echo, good or good_directory(work), server)
+    finally:
+        server.close()
+
+
+def _fuzz(budget, seed, work, targets, findings, echo, good, server) -> FuzzReport:
     t0 = time.monotonic()
     rng = random.Random(seed)
-    good, good_tokens = good or good_directory(work)
+    good, good_tokens = good
     xml = (FIXTURE / "openvino_model.xml").read_text()
     manifest = (good / "manifest.json").read_text()
     files = sorted(p.name for p in good.iterdir() if p.is_file() and p.name != "manifest.json")
@@ -373,7 +436,7 @@ def fuzz(budget: int, seed: int, work: Path, targets=TARGETS, findings: Path | N
             (out / name).write_bytes(data)
             argv = ["run", str(out), "--check", *PROMPT]
         e = Execution(target, i, what, argv)
-        code, output, e.seconds = run_forked(argv, d)
+        code, output, e.seconds = server.run(argv, d)
         compiled = argv[0] == "compile"
         classify(e, code, output, _leftovers(out) if compiled and code not in (0, None) else [])
         if e.verdict == "clean" and code == 0:
@@ -422,7 +485,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target", action="append", choices=TARGETS, help="only these targets (repeatable)")
     ap.add_argument("--findings", type=Path, default=Path("fuzz-findings"), help="where findings are kept")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every execution")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # ForkServer
+    ap.add_argument("--plant", choices=["crash", "no-check"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve:
+        serve(args.plant)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="kvc-fuzz-"))
     try:
         def echo(e):
