@@ -110,7 +110,7 @@ def _check_structure(manifest: dict, path: Path) -> None:
         if key not in manifest:
             raise bad(f"missing key {key!r}")
     try:
-        StaticPlan.from_dict(manifest["plan"])
+        plan = StaticPlan.from_dict(manifest["plan"])
     except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
         raise bad(f"malformed plan: {exc.__class__.__name__}: {exc}", expected="kvc.plan.StaticPlan.to_dict()") \
             from None
@@ -141,7 +141,7 @@ def _check_structure(manifest: dict, path: Path) -> None:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "in files")
-    _check_plan_against_ports(manifest, bad)
+    _check_plan_against_ports(manifest, plan, bad)
 
 
 def _is_port(p) -> bool:
@@ -171,24 +171,29 @@ def _check_model(name, model, bad) -> None:
                   found=repr(blobs)[:80])
 
 
-def _check_plan_against_ports(manifest: dict, bad) -> None:
+def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     """The plan and the models' port tables tell the same story: the generate models are the
-    plan's sizes; every model has logits [.., V] with one V; every KV tensor of the plan is a
-    past input of every generate model (with `size - tokens` rows) and a present output of
-    every model, in the plan's element type and with the plan's shape off the sequence axis."""
-    plan = StaticPlan.from_dict(manifest["plan"])
-    models = manifest["models"]
+    plan's sizes; every model has logits [.., V] with one V; every KV tensor of the plan is
+    sized for the largest variant, is a past input of every generate model (with `size -
+    tokens` rows) and a present output of every model, in the plan's element type and with the
+    plan's shape off the sequence axis."""
+    models, L = manifest["models"], plan.lengths
     sizes = sorted(int(n[9:]) for n in models if n != "prefill")
-    if sizes != sorted(plan.lengths.sizes):
-        raise bad("the generate models are not the plan's sizes", expected=sorted(plan.lengths.sizes), found=sizes)
+    if sizes != sorted(L.sizes):
+        raise bad("the generate models are not the plan's sizes", expected=sorted(L.sizes), found=sizes)
+    for spec in plan.kv:
+        if spec.shape[spec.seq_axis] != max(sizes) - L.tokens:
+            raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
+                      expected=f"{max(sizes) - L.tokens} rows on axis {spec.seq_axis}",
+                      found=f"shape {list(spec.shape)}")
     vocab = set()
-    L = plan.lengths
     for name, model in models.items():
+        size = None if name == "prefill" else int(name[9:])
         inputs = {p["name"]: p for p in model["inputs"]}
         outputs = {p["name"]: p for p in model["outputs"]}
         # The token inputs the pipeline feeds: [1, C or P] ids and [1, P] mask for the prefill,
         # [1, G] ids and [1, T] mask for generate-T.
-        step, span = (L.chunk or L.prompt, L.prompt) if name == "prefill" else (L.tokens, int(name[9:]))
+        step, span = (L.chunk or L.prompt, L.prompt) if size is None else (L.tokens, size)
         for port, want in (("input_ids", [1, step]), ("attention_mask", [1, span])):
             if port not in inputs or inputs[port]["shape"] != want:
                 raise bad(f"model {name!r}'s {port} does not match the plan's lengths", expected=want,
@@ -198,13 +203,9 @@ def _check_plan_against_ports(manifest: dict, bad) -> None:
             raise bad(f"model {name!r} has no logits output [.., V]", found=sorted(outputs))
         vocab.add(logits["shape"][-1])
         for spec in plan.kv:
-            if spec.shape[spec.seq_axis] != max(sizes) - plan.lengths.tokens:
-                raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
-                          expected=f"{max(sizes) - plan.lengths.tokens} rows on axis {spec.seq_axis}",
-                          found=f"shape {list(spec.shape)}")
             wanted = [(outputs, spec.output, "output", None)]
-            if name != "prefill":
-                wanted.append((inputs, spec.input, "input", int(name[9:]) - plan.lengths.tokens))
+            if size is not None:
+                wanted.append((inputs, spec.input, "input", size - L.tokens))
             for ports, port, side, rows in wanted:
                 found = ports.get(port)
                 if found is None:

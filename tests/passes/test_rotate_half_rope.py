@@ -13,15 +13,17 @@ from kvc.passes import PassManager, parse_pipeline
 from kvc.runtime.session import NumpySession
 
 
-def split_halves_model() -> ov.Model:
-    """out = concat(x1*cos - x2*sin, x2*cos + x1*sin) over x [1, 4, 5, 16], cos/sin [1, 1, 5, 8]."""
-    x = ops.parameter([1, 4, 5, 16], np.float32, name="x")
-    cos = ops.parameter([1, 1, 5, 8], np.float32, name="cos")
-    sin = ops.parameter([1, 1, 5, 8], np.float32, name="sin")
+def split_halves_model(shape=(1, 4, 5, 16), swapped: bool = False) -> ov.Model:
+    """out = concat(x1*cos - x2*sin, x2*cos + x1*sin) over x [1, H, L, D], cos/sin [1, 1, L, D/2];
+    `swapped`: the second half is x2*sin + x1*cos instead (another rotation)."""
+    x = ops.parameter(list(shape), np.float32, name="x")
+    cos = ops.parameter([1, 1, shape[2], shape[3] // 2], np.float32, name="cos")
+    sin = ops.parameter([1, 1, shape[2], shape[3] // 2], np.float32, name="sin")
     halves = ops.split(x, -1, 2)
     x1, x2 = halves.output(0), halves.output(1)
     first = ops.subtract(ops.multiply(x1, cos), ops.multiply(x2, sin))
-    second = ops.add(ops.multiply(x2, cos), ops.multiply(x1, sin))
+    second = (ops.add(ops.multiply(x2, sin), ops.multiply(x1, cos)) if swapped
+              else ops.add(ops.multiply(x2, cos), ops.multiply(x1, sin)))
     out = ops.concat([first, second], -1)
     out.output(0).set_names({"out"})
     return ov.Model([out], [x, cos, sin], "split_halves")
@@ -55,15 +57,8 @@ def test_gpt_oss_is_rewritten_and_llama_is_not():
 
 
 def test_a_different_second_half_is_left_alone():
-    """x2*cos - x1*sin in the second half is another rotation: no match, no change."""
-    x = ops.parameter([1, 2, 3, 8], np.float32, name="x")
-    cos = ops.parameter([1, 1, 3, 4], np.float32, name="cos")
-    sin = ops.parameter([1, 1, 3, 4], np.float32, name="sin")
-    halves = ops.split(x, -1, 2)
-    x1, x2 = halves.output(0), halves.output(1)
-    first = ops.subtract(ops.multiply(x1, cos), ops.multiply(x2, sin))
-    second = ops.add(ops.multiply(x2, sin), ops.multiply(x1, cos))  # sin and cos swapped
-    model = ov.Model([ops.concat([first, second], -1)], [x, cos, sin])
+    """x2*sin + x1*cos in the second half is another rotation: no match, no change."""
+    model = split_halves_model((1, 2, 3, 8), swapped=True)
     record = run(model).records[0]
     assert not record.modified
     assert [why for _, _, why in record.rule_misses] == ["the second half is not x2 * cos + x1 * sin"]
