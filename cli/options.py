@@ -114,10 +114,13 @@ def static_options(f):
     """The options that shape the static pipeline, named after NPUW's properties."""
     options = [
         pass_plugin_option,
-        click.option("--max-prompt-len", type=click.IntRange(min=1), default=1024, show_default=True,
-                     help="Longest prompt the prefill takes (NPUW_LLM_MAX_PROMPT_LEN); aligned up to 64."),
-        click.option("--min-response-len", type=click.IntRange(min=1), default=128, show_default=True,
-                     help="Tokens guaranteed after a full prompt (NPUW_LLM_MIN_RESPONSE_LEN); aligned up to 64."),
+        click.option("--max-prompt-len", type=click.IntRange(min=1), default=None,
+                     help="Longest prompt the prefill takes (NPUW_LLM_MAX_PROMPT_LEN); aligned up to 64. "
+                          "Default 1024, lowered so that P + R fits the positions the model's config.json "
+                          "states when neither length is given."),
+        click.option("--min-response-len", type=click.IntRange(min=1), default=None,
+                     help="Tokens guaranteed after a full prompt (NPUW_LLM_MIN_RESPONSE_LEN); aligned up to 64. "
+                          "Default 128."),
         click.option("--prefill-chunk-size", default="auto", show_default=True, callback=_chunk_value,
                      help="Chunked prefill size, a power of two (0: the whole prompt at once). auto: "
                           f"{CPU_CHUNK} when compiling for CPU only, else 0 (NPUW's default: up to 1024 at once)."),

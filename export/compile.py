@@ -179,6 +179,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     until the end)."""
     progress(f"loading {model_path}")
     source = source_hashes(model_path)
+    options = dataclasses.replace(options, static=fit_to_model(options.static, resolve(model_path).root))
     static, xmls = _build_and_save(model_path, work, options, progress)
     models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
                      "inputs": port_table(static.models[name].inputs),
@@ -231,9 +232,9 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progr
 _MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
-def _beyond_max_positions(source_dir: Path, options: StaticOptions) -> str | None:
-    """When the capacity P + R exceeds the maximum positions the model's config.json states
-    (learned position tables and precomputed ALiBi or band tables stop there), say so."""
+def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
+    """The maximum positions the model's config.json states (learned position tables and
+    precomputed ALiBi or band tables stop there), as (key, value); None when it states none."""
     try:
         config = json.loads((source_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -241,10 +242,25 @@ def _beyond_max_positions(source_dir: Path, options: StaticOptions) -> str | Non
     if not isinstance(config, dict):
         return None
     key = next((k for k in _MAX_POSITIONS_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    return None if key is None else (key, config[key])
+
+
+def fit_to_model(options: StaticOptions, source_dir: Path) -> StaticOptions:
+    """`options` knowing the model's maximum positions, so that default lengths fit them
+    (kvc.plan.plan_lengths)."""
+    stated = model_max_positions(source_dir)
+    if stated is None or options.max_positions is not None:
+        return options
+    return dataclasses.replace(options, max_positions=stated[1])
+
+
+def _beyond_max_positions(source_dir: Path, options: StaticOptions) -> str | None:
+    """When the capacity P + R exceeds the model's stated maximum positions, say so."""
+    stated = model_max_positions(source_dir)
     capacity = options.lengths().capacity
-    if key is None or capacity <= config[key]:
+    if stated is None or capacity <= stated[1]:
         return None
-    return f"the capacity P + R = {capacity} exceeds the model's {key} = {config[key]} (config.json)"
+    return f"the capacity P + R = {capacity} exceeds the model's {stated[0]} = {stated[1]} (config.json)"
 
 
 def _require_kv_cache(model, file: Path) -> None:

@@ -30,8 +30,8 @@ PYRAMID_BASE = 1024
 class StaticOptions:
     """What `kvc compile` asks of the static pipeline (names follow NPUW's properties)."""
 
-    max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN
-    min_response_len: int = DEFAULT_MIN_RESPONSE_LEN
+    max_prompt_len: int | None = None  # None: DEFAULT_MAX_PROMPT_LEN, lowered to fit max_positions
+    min_response_len: int | None = None  # None: DEFAULT_MIN_RESPONSE_LEN
     prefill_chunk_size: int = 0
     variants: str | tuple[int, ...] = "single"
     kv_precision: str = "f32"
@@ -40,6 +40,7 @@ class StaticOptions:
     beam: str = "drop"
     passes: str | None = None  # the common pipeline as text; default: lift-state
     attention: str = "grouped"  # "grouped": group-attention rewrites SDPA; "sdpa": kept as is
+    max_positions: int | None = None  # the positions the model was built for (its config.json), when known
 
     def __post_init__(self) -> None:
         if self.beam != "drop":
@@ -50,7 +51,8 @@ class StaticOptions:
                 f"passes lift-state{{beam=keep}} and fuse-kvcache{{beam=indirect}} (kvc passes)")
 
     def lengths(self) -> "LengthPlan":
-        return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants)
+        return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants,
+                            max_positions=self.max_positions)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,12 +115,27 @@ def _is_int(value) -> bool:
 MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 
-def plan_lengths(max_prompt_len: int = DEFAULT_MAX_PROMPT_LEN, min_response_len: int = DEFAULT_MIN_RESPONSE_LEN,
-                 chunk: int = 0, variants: str | tuple[int, ...] = "single", align: int = NPUW_ALIGN) -> LengthPlan:
+def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None = None,
+                 chunk: int = 0, variants: str | tuple[int, ...] = "single", align: int = NPUW_ALIGN,
+                 max_positions: int | None = None) -> LengthPlan:
     """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
     aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
-    explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`."""
+    explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`.
+
+    Unset lengths (None) are NPUW's defaults, P = 1024 and R = 128, except that when neither is
+    set and the model states fewer `max_positions` than P + R, P is lowered (in steps of
+    `align`, not below one step or the chunk) so that P + R fits: the defaults never build
+    positions the model was not built for. Lengths the user sets are kept as asked."""
     notes = []
+    fit = max_prompt_len is None and min_response_len is None and max_positions
+    max_prompt_len = DEFAULT_MAX_PROMPT_LEN if max_prompt_len is None else max_prompt_len
+    min_response_len = DEFAULT_MIN_RESPONSE_LEN if min_response_len is None else min_response_len
+    if fit and max_prompt_len + min_response_len > max_positions:
+        step = max(align, chunk, 1)
+        lowered = max(step, (max_positions - min_response_len) // step * step)
+        notes.append(f"max prompt length {max_prompt_len} lowered to {lowered} so that P + R fits the model's "
+                     f"{max_positions} positions (config.json); --max-prompt-len sets it")
+        max_prompt_len = lowered
     if max_prompt_len <= 0 or min_response_len <= 0:
         raise UsageError(f"max prompt length and min response length must be positive "
                          f"(got {max_prompt_len} and {min_response_len})")

@@ -269,3 +269,16 @@ def test_a_capacity_past_the_models_max_positions_is_said(tmp_path):
     compile_to(fixtures.path("gpt2"), tmp_path / "gpt2-fits", CompileOptions(SMALL, devices=(), verify=False),
                progress=said.append)
     assert not [s for s in said if "warning" in s]
+
+
+def test_default_lengths_follow_the_models_positions(tmp_path):
+    """Without --max-prompt-len/--min-response-len the capacity fits what config.json states:
+    mpt (max_seq_len 256) compiles with the defaults, P lowered to 128 and the change recorded."""
+    said = []
+    manifest = compile_to(fixtures.path("mpt"), tmp_path / "mpt", CompileOptions(devices=(), verify=False),
+                          progress=said.append)
+    lengths = manifest["plan"]["lengths"]
+    assert (lengths["max_prompt_len"], lengths["min_response_len"], lengths["capacity"]) == (128, 128, 256)
+    assert any("lowered to 128 so that P + R fits the model's 256 positions" in a for a in lengths["adjustments"])
+    assert manifest["plan"]["options"]["max_positions"] == 256
+    assert not [s for s in said if "warning" in s]

@@ -30,6 +30,22 @@ def test_plan_aligns_like_npuw_and_says_so():
     assert plan_lengths(1024, 128).notes == ()
 
 
+def test_default_lengths_fit_the_models_positions():
+    """Unset lengths are NPUW's 1024 + 128, with P lowered (in steps of 64, or of the chunk) so
+    that P + R fits the positions the model states; lengths the user sets are kept."""
+    assert (plan_lengths().prompt, plan_lengths().capacity) == (1024, 1152)
+    assert plan_lengths(max_positions=4096).notes == ()
+    fitted = plan_lengths(max_positions=256)
+    assert (fitted.prompt, fitted.response, fitted.capacity) == (128, 128, 256)
+    assert fitted.notes == ("max prompt length 1024 lowered to 128 so that P + R fits the model's 256 positions "
+                            "(config.json); --max-prompt-len sets it",)
+    assert plan_lengths(max_positions=1000).prompt == 832  # 872 down to a multiple of 64
+    assert plan_lengths(chunk=256, max_positions=1000).prompt == 768
+    assert plan_lengths(max_positions=100).prompt == 64  # not below one step: beyond, and warned
+    assert plan_lengths(1024, max_positions=256).prompt == 1024  # asked for: kept
+    assert plan_lengths(None, 64, max_positions=256).prompt == 1024
+
+
 def test_plan_chunk_rules():
     assert plan_lengths(192, 64, chunk=128).prompt == 256
     with pytest.raises(UsageError, match="power of two"):
