@@ -15,7 +15,7 @@ from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
 from kvc.export.manifest import check_blob_version, check_files, check_ports, plan_of, read_manifest
 from kvc.ir.reader import core, load
-from kvc.runtime.session import NumpySession, OpenVINOSession, Session
+from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session
 from kvc.runtime.static_pipeline import StaticPipeline
 
 BACKENDS = ("numpy", "openvino", "npu")
@@ -34,7 +34,8 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         if "WEIGHTS_PATH" in config:
             config["WEIGHTS_PATH"] = str(directory / config["WEIGHTS_PATH"])
         try:
-            compiled = core().import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device, config)
+            compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device,
+                                                         config)
         except RuntimeError as exc:
             raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
         check_ports(directory, name, entry, compiled.inputs, compiled.outputs)
@@ -44,6 +45,18 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     if backend == "numpy":
         return NumpySession(model)
     return OpenVINOSession(model, device, device_config(device, for_export=False))
+
+
+def _import_core(config: dict):
+    """A Core to import a blob with `config`. NPUW on the CPU imports its CPU subgraphs with the
+    CPU plugin's defaults, not with the properties passed to import_model (nor with
+    DEVICE_PROPERTIES): on a host with bf16 or AMX they would compute in bf16 and quantize
+    activations, and the blob would not reproduce its compile. The Core's CPU plugin gets those
+    properties instead (each Core has its own plugins, so this one import is all it affects)."""
+    c = core()
+    if config.get("NPU_USE_NPUW") == "YES" and config.get("NPUW_DEVICES") == "CPU":
+        c.set_property("CPU", {k: config[k] for k in CPU_EXACTNESS_KEYS if k in config})
+    return c
 
 
 def backend_config(manifest: dict, backend: str, *, from_ir: bool = False) -> dict | None:

@@ -21,7 +21,11 @@ from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_nam
 
 # OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
 # it); a reference comparison needs f32 throughout (REFERENCE.md §1).
-EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+# OpenVINO CPU computing what the model says: f32 arithmetic and KV cache (the defaults are bf16
+# on hosts with AVX512_BF16 or AMX, and a u8 KV cache), and no dynamic quantization of the
+# activations that meet int8/int4 weights (on by default where the host has AVX512-VNNI or AMX).
+EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+                    "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 # The NPU plugin on a machine without an NPU: NPUW with CPU as its backend (REFERENCE.md §5),
 # computing in f32 whatever the host offers: left to its defaults the CPU computes in bf16 where
 # it has AVX512_BF16 or AMX, so results would measure the host, not the model. NPUW forwards
@@ -29,7 +33,9 @@ EXACT_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f3
 # get_properties_per_device); an invalid value here is rejected by the CPU plugin's parser.
 # The KV precision is what the static models' past/present ports declare.
 NPUW_CPU_CONFIG = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_ONLINE_PIPELINE": "NONE",
-                   "INFERENCE_PRECISION_HINT": "f32"}
+                   "INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+# The CPU plugin's properties among them (export.load sets them on the Core for blob imports).
+CPU_EXACTNESS_KEYS = ("INFERENCE_PRECISION_HINT", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
 
 
 class Session(Protocol):
