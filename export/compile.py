@@ -46,12 +46,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def device_config(device: str, *, for_export: bool) -> dict:
     """How kvc compiles for a device: CPU exact f32 and weightless blobs; NPU through the real
-    plugin when an NPU is present, else through NPUW with CPU as its backend."""
+    plugin when an NPU is present, else through NPUW with CPU as its backend, weightless."""
     if device == "CPU":
         return {**EXACT_CPU_CONFIG, **({"CACHE_MODE": "OPTIMIZE_SIZE"} if for_export else {})}
     if device == "NPU":
-        return {} if "NPU" in core().available_devices else dict(NPUW_CPU_CONFIG)
+        return {} if "NPU" in core().available_devices else {**NPUW_CPU_CONFIG, **NPUW_WEIGHTLESS}
     raise UsageError(f"unknown device {device!r}; kvc compiles for {', '.join(DEVICES)}")
+
+
+# NPUW exports a blob without its weights only when weights are closures of function calls
+# (NPUW_CWAI, or NPUW_FOLD) and every subgraph is a call (NPUW_FUNCALL_FOR_ALL: without an
+# online partitioning there is one); CACHE_MODE=OPTIMIZE_SIZE alone changes nothing. Import
+# then reads the weights from WEIGHTS_PATH (npuw/compiled_model.cpp: can_use_weightless_flow,
+# CompiledModelDesc::serialize, make_import_weights_ctx). CWAI rather than FOLD: FOLD changes
+# generate logits by up to 7e-4 and fails on int4 weights with zero points ("Tensor was not
+# initialized"). Used from the IR too, so a blob and its IR compute the same.
+NPUW_WEIGHTLESS = {"NPUW_CWAI": "YES", "NPUW_FUNCALL_FOR_ALL": "YES"}
 
 
 def blob_name(model: str, device: str) -> str:
@@ -361,8 +371,8 @@ def embed_small_constants(model) -> None:
 
 def _import_config(device: str, config: dict) -> dict:
     """What import needs: a CPU blob forgets its inference precision (machines with bf16
-    default to it) and, being weightless, needs the weights file."""
-    if device == "CPU":
+    default to it); weightless blobs (CPU, and NPU through NPUW) need the weights file."""
+    if device == "CPU" or config.get("NPUW_CWAI") == "YES":
         return {**config, "WEIGHTS_PATH": WEIGHTS_FILE}
     return dict(config)
 

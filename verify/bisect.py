@@ -25,7 +25,7 @@ import openvino as ov
 
 from kvc.passes import PassFailure, PassManager
 from kvc.plan import StaticOptions
-from kvc.runtime.compare import F16_NRMSE, F32_ATOL, max_abs, nonfinite_mismatch, nrmse
+from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
@@ -62,7 +62,7 @@ def _judge(ref: np.ndarray, got: np.ndarray, f16: bool) -> tuple[float, float, b
     """Metrics and whether they pass; a NaN/Inf that the reference lacks always fails."""
     a, n = max_abs(ref, got), nrmse(ref, got)
     finite = nonfinite_mismatch(ref, got) is None
-    return a, n, finite and ((n <= F16_NRMSE) if f16 else (a <= F32_ATOL))
+    return a, n, finite and ((n <= F16_NRMSE) if f16 else (a <= f32_bound(ref)))
 
 
 def bisect(model: ov.Model, options: StaticOptions = StaticOptions(), *, prompt=None, steps: int = 3,
@@ -156,7 +156,7 @@ def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for) -> dict 
             differs, delta = bool(np.any(r != v)), float(np.sum(r != v))
         else:
             delta = float(np.max(np.abs(r.astype(np.float64) - v.astype(np.float64)))) if r.size else 0.0
-            differs = delta > F32_ATOL or (r.size > 0 and nonfinite_mismatch(r, v) is not None)
+            differs = delta > f32_bound(r) or (r.size > 0 and nonfinite_mismatch(r, v) is not None)
         if differs:
             return {"tensor": name, "max_abs": delta, "shape": list(np.shape(value))}
     return None

@@ -80,8 +80,12 @@ def test_one_copy_of_the_weights_on_disk(compiled):
     assert [p.name for p in compiled.glob("*.bin") if "tokenizer" not in p.name] == ["weights.bin"]
     for xml in compiled.glob("*.xml"):
         assert xml.stat().st_size < 200_000, "graphs only: the weights live in weights.bin"
-    cpu_blob = (compiled / "prefill.CPU.blob").stat().st_size
-    assert cpu_blob < source_bin / 2, "CPU blobs are weightless: they read weights.bin at import"
+    for device in ("CPU", "NPU"):  # NPU: NPUW on its CPU backend, with NPUW_CWAI
+        for blob in compiled.glob(f"*.{device}.blob"):
+            assert blob.stat().st_size < source_bin / 2, f"{blob.name} is weightless: it reads weights.bin at import"
+    imports = read_manifest(compiled)["models"]["prefill"]["blobs"]
+    assert imports["NPU"]["import_config"]["WEIGHTS_PATH"] == imports["CPU"]["import_config"]["WEIGHTS_PATH"] \
+        == "weights.bin"
 
 
 def test_weights_stay_shared_in_memory():

@@ -4,7 +4,7 @@ wrong output, and must allow a flip only at a true near-tie."""
 import numpy as np
 import pytest
 
-from kvc.runtime.compare import judge, nonfinite_mismatch
+from kvc.runtime.compare import f32_bound, judge, nonfinite_mismatch
 from kvc.runtime.generate import Generation
 
 V = 1024  # wide enough that one wrong logit leaves NRMSE small: the token rule decides
@@ -33,6 +33,23 @@ def edit(gen: Generation, step: int, token: int, value: float, noise: float = 0.
 def test_identical_runs_pass(reduced):
     ref = run()
     assert judge(ref, edit(ref, 0, 0, ref.logits[0][0]), reduced=reduced).ok
+
+
+def test_the_exact_bound_grows_with_the_logits_magnitude():
+    """Exact paths: 1e-4 plus 1e-5 of the largest |reference logit|. An error of 1.4e-4 (two
+    correct f32 engines on logits near 15) passes there and fails on logits near 1; 3e-4
+    fails at either scale."""
+    ref = run()  # winner at 5
+    small = Generation(ref.prompt, ref.tokens, [r / 5 for r in ref.logits])  # winner at 1
+    large = Generation(ref.prompt, ref.tokens, [r * 3 for r in ref.logits])  # winner at 15
+    assert f32_bound(small.logits) == pytest.approx(1.1e-4)
+    assert f32_bound(large.logits) == pytest.approx(2.5e-4)
+    assert f32_bound([np.nan, np.inf, -2.0]) == pytest.approx(1.2e-4)  # finite values only
+    assert judge(large, edit(large, 1, 9, float(large.logits[1][9]) + 1.4e-4)).ok
+    assert not judge(small, edit(small, 1, 9, float(small.logits[1][9]) + 1.4e-4)).ok
+    for ref in (small, large):
+        v = judge(ref, edit(ref, 1, 9, float(ref.logits[1][9]) + 3e-4))
+        assert not v.ok and v.reason.startswith("logits differ by 0.0003 > ")
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])

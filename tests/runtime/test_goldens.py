@@ -1,8 +1,9 @@
 """The numpy interpreter reproduces every fixture's goldens and agrees with real peers.
 
 For each fixture and golden prompt: numpy vs OpenVINO CPU (f32) on the stateful and the
-stateless IR, and numpy vs onnxruntime on the ONNX export: first-step logits within 1e-4,
-identical greedy tokens over 24 steps; numpy matches the recorded PyTorch goldens.
+stateless IR, and numpy vs onnxruntime on the ONNX export: logits within 1e-4 + 1e-5 × their
+magnitude (kvc.runtime.compare.f32_bound), identical greedy tokens over 24 steps; numpy matches
+the recorded PyTorch goldens.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.runtime.compare import max_abs
+from kvc.runtime.compare import f32_bound, max_abs
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
 from tests.conftest import fixture_names
 
-ATOL = 1e-4
 CASES = [(name, form, peer) for name in fixture_names()
          for form, peer in (("stateful", "openvino"), ("stateless", "openvino"), ("onnx", "onnxruntime"))
          if form in fixtures.forms(name)]
@@ -32,10 +32,10 @@ def test_numpy_matches_peer_and_torch(name, form, peer):
         a = greedy(ours, prompt["ids"], golden["max_new_tokens"])
         b = greedy(theirs, prompt["ids"], golden["max_new_tokens"])
         assert a.tokens == b.tokens == prompt["tokens"]["torch"], prompt["name"]
-        assert max_abs(a.first_logits, b.first_logits) <= ATOL
-        assert max_abs(np.stack(a.logits), np.stack(b.logits)) <= ATOL
+        assert max_abs(a.first_logits, b.first_logits) <= f32_bound(b.first_logits)
+        assert max_abs(np.stack(a.logits), np.stack(b.logits)) <= f32_bound(np.stack(b.logits))
         torch_logits = fixtures.golden_logits(name, prompt["name"], "torch")
-        assert max_abs(a.first_logits, torch_logits) <= ATOL, "numpy must reproduce the PyTorch golden"
+        assert max_abs(a.first_logits, torch_logits) <= f32_bound(torch_logits), "numpy must reproduce the PyTorch golden"
 
 
 def test_goldens_agree_across_engines_as_recorded(fixture_name):
@@ -55,7 +55,7 @@ def test_goldens_agree_across_engines_as_recorded(fixture_name):
 @pytest.mark.parametrize("name", fixtures.COMPRESSED)
 def test_numpy_reproduces_compressed_weight_goldens(name):
     """NNCF int8/int4 weights (u8/i8/u4/i4 constants, zero points, f16 scales, group reshapes):
-    kvc's interpreter gives OpenVINO CPU f32's tokens and first-step logits within 1e-4."""
+    kvc's interpreter gives OpenVINO CPU f32's tokens and first-step logits within f32_bound."""
     golden = fixtures.goldens(name)
     model = ir.load(fixtures.path(name))
     kinds = {op.get_output_element_type(0).get_type_name() for op in model.get_ops() if op.get_type_name() == "Constant"}
@@ -64,4 +64,5 @@ def test_numpy_reproduces_compressed_weight_goldens(name):
     for prompt in golden["prompts"]:
         got = greedy(ours, prompt["ids"], golden["max_new_tokens"])
         assert got.tokens == prompt["tokens"]["openvino"], prompt["name"]
-        assert max_abs(got.first_logits, fixtures.golden_logits(name, prompt["name"], "openvino")) <= ATOL
+        expected = fixtures.golden_logits(name, prompt["name"], "openvino")
+        assert max_abs(got.first_logits, expected) <= f32_bound(expected)
