@@ -1,0 +1,272 @@
+"""What a user waits for on kvc's default path, against the peers, in one command (issue 14).
+
+On the ~250M-parameter Llama of bench/build_model.py (fp32 stateful IR, as optimum-cli
+exports it), with kvc's defaults and nothing tuned:
+
+  compile      `kvc compile MODEL -o OUT` (CPU; verification on) and `kvc compile MODEL -o OUT
+               --device NPU` (NPUW on its CPU backend), each in a fresh process: wall time and
+               peak RSS; against NPUW_LLM's compile_model of the stateful model (bench/probe_npuw.py
+               compile) and, for CPU, the stateful model's compile_model on CPU
+  disk         bytes of OUT's models and blobs (tokenizer files left out) over weights.bin
+  open         open_compiled(OUT) on OpenVINO CPU, in a fresh process: time and peak RSS;
+               against compile_model of the stateful model on CPU
+  ttft         time to first token at prompts of 16, 100, 512 and 1000 tokens: kvc's pipeline
+               from OUT's CPU blobs (generate(prompt, 1)) against the stateful model on CPU,
+               alternating in one process (bench/ttft.py's measurements)
+  decode       ms per generated token after a 512-token prompt, 32 steps: kvc's pipeline from
+               OUT's CPU blobs against the stateful model on CPU at the same precision (f32:
+               INFERENCE_PRECISION_HINT f32) and at the plugin's default (bf16 where the host
+               has it), alternating rounds
+
+Ratios are kvc over the peer, medians of --reps runs; the machine is shared, so read ratios.
+
+    /work/fxvenv/bin/python bench/build_model.py        # once: bench/.models/llama-250m-fp32
+    python bench/default_path.py [--reps 3] [--only compile,disk,open,ttft,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+MODEL = BENCH / ".models" / "llama-250m-fp32"
+STEPS = ("compile", "disk", "open", "ttft", "decode")
+EXACT = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- children: one measurement each, in a fresh process, printing one JSON line ---------------
+def child(kind: str, model: Path, out: Path, device: str) -> dict:
+    started = time.perf_counter()
+    if kind == "kvc-compile":
+        from kvc.cli.main import cli
+
+        args = ["compile", str(model), "-o", str(out)] + (["--device", device] if device != "CPU" else [])
+        try:
+            cli(args, prog_name="kvc")
+        except SystemExit as exc:  # click exits when the command is done
+            if exc.code:
+                raise
+    elif kind == "kvc-open":
+        from kvc.export.load import open_compiled
+
+        open_compiled(out, "openvino")
+    elif kind == "stateful-compile":
+        import openvino as ov
+
+        ov.Core().compile_model(str(model / "openvino_model.xml"), "CPU").create_infer_request()
+    elif kind == "npuw-compile":
+        import openvino as ov
+
+        sys.path.insert(0, str(BENCH))
+        from probe_npuw import NPUW_LLM
+
+        ov.Core().compile_model(str(model / "openvino_model.xml"), "NPU", dict(NPUW_LLM)).create_infer_request()
+    else:
+        raise SystemExit(f"unknown child {kind}")
+    return {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
+
+
+def run_child(kind: str, model: Path, out: Path, device: str = "CPU") -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--model", str(model), "--out", str(out),
+                           "--device", device], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{kind} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+# -- steps ---------------------------------------------------------------------------------------
+def measure_compile(model: Path, tmp: Path, reps: int) -> list[dict]:
+    rows = []
+    for device in ("CPU", "NPU"):
+        ours, npuw, stateful = [], [], []
+        for i in range(reps):  # alternating, so drift on the machine hits both sides
+            out = tmp / f"compile-{device}-{i}"
+            ours.append(run_child("kvc-compile", model, out, device))
+            npuw.append(run_child("npuw-compile", model, out))
+            if device == "CPU":
+                stateful.append(run_child("stateful-compile", model, out))
+            if i:
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+        peers = [("NPUW_LLM compile_model (NPU, CPU backend)", npuw)]
+        if device == "CPU":
+            peers.append(("stateful compile_model (CPU)", stateful))
+        for peer, theirs in peers:
+            rows.append({"step": "compile", "what": f"kvc compile --device {device} (defaults, verification on)",
+                         "peer": peer, "kvc_s": median_of(ours, "seconds"), "peer_s": median_of(theirs, "seconds"),
+                         "kvc_rss_mb": median_of(ours, "peak_rss_mb"), "peer_rss_mb": median_of(theirs, "peak_rss_mb")})
+    return rows
+
+
+def measure_disk(tmp: Path) -> list[dict]:
+    rows = []
+    for device in ("CPU", "NPU"):
+        out = tmp / f"compile-{device}-0"
+        manifest = json.loads((out / "manifest.json").read_text())
+        ours = set()
+        for entry in manifest["models"].values():
+            ours.add(entry["xml"])
+            ours.update(b["file"] for b in entry["blobs"].values())
+        ours.add(manifest["weights"])
+        total = sum((out / f).stat().st_size for f in ours)
+        weights = (out / manifest["weights"]).stat().st_size
+        rows.append({"step": "disk", "what": f"OUT for {device}: models, blobs and weights.bin", "peer": "weights.bin",
+                     "kvc_bytes": total, "peer_bytes": weights})
+    return rows
+
+
+def measure_open(model: Path, tmp: Path, reps: int) -> list[dict]:
+    out = tmp / "compile-CPU-0"
+    ours, theirs = [], []
+    for _ in range(reps):
+        ours.append(run_child("kvc-open", model, out))
+        theirs.append(run_child("stateful-compile", model, out))
+    return [{"step": "open", "what": "open_compiled(OUT) on OpenVINO CPU", "peer": "stateful compile_model (CPU)",
+             "kvc_s": median_of(ours, "seconds"), "peer_s": median_of(theirs, "seconds"),
+             "kvc_rss_mb": median_of(ours, "peak_rss_mb"), "peer_rss_mb": median_of(theirs, "peak_rss_mb")}]
+
+
+def stateful_feed(compiled, ids: np.ndarray, seen: int) -> dict:
+    n = ids.shape[1]
+    feed = {"input_ids": ids, "attention_mask": np.ones((1, seen + n), np.int64),
+            "position_ids": np.arange(seen, seen + n, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
+    names = {name for port in compiled.inputs for name in port.get_names()}
+    return {k: v for k, v in feed.items() if k in names}
+
+
+def stateful_generate(compiled, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+    """Greedy generation on the stateful model: TTFT and each later token's time."""
+    request = compiled.create_infer_request()
+    request.reset_state()
+    start = time.perf_counter()
+    out = request.infer(stateful_feed(compiled, prompt[None], 0))
+    token = int(np.argmax(out["logits"][0, -1]))
+    ttft, steps, seen = time.perf_counter() - start, [], len(prompt)
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        out = request.infer(stateful_feed(compiled, np.array([[token]], np.int64), seen))
+        token = int(np.argmax(out["logits"][0, -1]))
+        steps.append(time.perf_counter() - start)
+        seen += 1
+    return ttft, steps
+
+
+def measure_ttft(model: Path, tmp: Path, reps: int, pipeline, core) -> list[dict]:
+    stateful = core.compile_model(str(model / "openvino_model.xml"), "CPU")
+    rng, rows = np.random.default_rng(0), []
+    for n in (16, 100, 512, 1000):
+        prompt = rng.integers(1, 32000, n).astype(np.int64)
+        pipeline.generate(prompt, 1), stateful_generate(stateful, prompt, 1)  # warm-up, not counted
+        ours, theirs = [], []
+        for _ in range(reps):
+            ours.append(pipeline.generate(prompt, 1).prefill_seconds)
+            theirs.append(stateful_generate(stateful, prompt, 1)[0])
+        rows.append({"step": "ttft", "what": f"TTFT, {n}-token prompt", "peer": "stateful model on CPU (defaults)",
+                     "kvc_s": statistics.median(ours), "peer_s": statistics.median(theirs)})
+    return rows
+
+
+def measure_decode(model: Path, reps: int, pipeline, core, steps: int = 32) -> list[dict]:
+    prompt = np.random.default_rng(1).integers(1, 32000, 512).astype(np.int64)
+    rows = []
+    for label, config in (("f32 (same precision)", EXACT), ("plugin defaults", {})):
+        stateful = core.compile_model(str(model / "openvino_model.xml"), "CPU", config)
+        precision = stateful.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+        ours, theirs = [], []
+        for _ in range(reps):
+            ours.append(statistics.median(pipeline.generate(prompt, steps + 1).step_seconds))
+            theirs.append(statistics.median(stateful_generate(stateful, prompt, steps + 1)[1]))
+        rows.append({"step": "decode", "what": "decode after a 512-token prompt, per token",
+                     "peer": f"stateful model on CPU, {label}: {precision}",
+                     "kvc_s": statistics.median(ours), "peer_s": statistics.median(theirs)})
+        del stateful
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| what the user waits for | kvc (defaults) | peer | ratio |", "|---|---:|---|---:|"]
+    for r in rows:
+        if "kvc_bytes" in r:
+            kvc, peer = r["kvc_bytes"] / 2**20, r["peer_bytes"] / 2**20
+            lines.append(f"| {r['what']} | {kvc:.1f} MiB | {r['peer']}: {peer:.1f} MiB | {kvc / peer:.3f}x |")
+            continue
+        scale, unit = (1e3, "ms") if r["step"] in ("ttft", "decode") else (1, "s")
+        kvc, peer = r["kvc_s"] * scale, r["peer_s"] * scale
+        cell = f"{kvc:.3g} {unit}"
+        peer_cell = f"{r['peer']}: {peer:.3g} {unit}"
+        ratio = f"{kvc / peer:.2f}x"
+        if "kvc_rss_mb" in r:
+            cell += f", peak RSS {r['kvc_rss_mb']:.0f} MB"
+            peer_cell += f", {r['peer_rss_mb']:.0f} MB"
+            ratio += f" (RSS {r['kvc_rss_mb'] / r['peer_rss_mb']:.2f}x)"
+        lines.append(f"| {r['what']} | {cell} | {peer_cell} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", default=",".join(STEPS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="CPU", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.model, args.out, args.device)))
+        return 0
+    if not (args.model / "openvino_model.xml").exists():
+        raise SystemExit(f"{args.model} is missing: build it with bench/build_model.py (see its docstring)")
+    only = args.only.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvc-default-path-", dir=os.environ.get("TMPDIR")) as name:
+        tmp = Path(name)
+        needs_out = [s for s in only if s != "compile"]
+        if "compile" in only:
+            rows += measure_compile(args.model, tmp, args.reps)
+        elif needs_out:
+            run_child("kvc-compile", args.model, tmp / "compile-CPU-0")
+            if "disk" in only:
+                run_child("kvc-compile", args.model, tmp / "compile-NPU-0", "NPU")
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if "disk" in only:
+            rows += measure_disk(tmp)
+        if "open" in only:
+            rows += measure_open(args.model, tmp, args.reps)
+        if "ttft" in only or "decode" in only:
+            import openvino as ov
+
+            from kvc.export.load import open_compiled
+
+            core, pipeline = ov.Core(), open_compiled(tmp / "compile-CPU-0", "openvino")
+            if "ttft" in only:
+                rows += measure_ttft(args.model, tmp, args.reps, pipeline, core)
+            if "decode" in only:
+                rows += measure_decode(args.model, args.reps, pipeline, core)
+    print(json.dumps(rows))
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
