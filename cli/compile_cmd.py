@@ -17,13 +17,18 @@ from kvc.cli.render import echo_json, human_bytes, table
 @static_options
 @click.option("--device", "devices", multiple=True, type=click.Choice(["CPU", "NPU"]), default=("CPU",),
               show_default=True, help="Compile and export a blob per model for this device (repeatable).")
+@click.option("--inference-precision", type=click.Choice(["auto", "f32", "bf16", "f16"]), default="auto",
+              show_default=True,
+              help="Arithmetic of the CPU blobs (INFERENCE_PRECISION_HINT). auto: the CPU plugin's own default, what a "
+                   "user deploying on this machine gets (bf16 with AVX512_BF16 or AMX, else f32); f32: exact. "
+                   "Blobs below f32 are judged by the reduced-precision rule (docs/verification.md).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the static pipeline (kvc's numpy runtime) against the source model on OpenVINO CPU f32.")
 @click.option("--dumps", is_flag=True, help="Write pass-by-pass IR dumps into OUT/dumps.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
 @ir_print_options
 @json_option
-def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
+def compile_(model, out, devices, inference_precision, verify, dumps, force, as_json, **kwargs):
     """Compile MODEL into static prefill and generate models for an NPU, with blobs and a manifest.
 
     MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
@@ -36,8 +41,8 @@ def compile_(model, out, devices, verify, dumps, force, as_json, **kwargs):
     path = resolve_model(model)
     for note in static.lengths().notes:
         progress(f"note: {note}")
-    options = CompileOptions(static, tuple(dict.fromkeys(devices)), verify, force=force, dumps=dumps,
-                             instrumentation=instrumentation)
+    options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
+                             dumps=dumps, instrumentation=instrumentation)
     manifest = compile_to(path, out, options, progress=progress)
     if as_json:
         echo_json(manifest)
@@ -57,7 +62,8 @@ def render_summary(out: Path, manifest: dict) -> None:
     for name, m in manifest["models"].items():
         shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
-        blobs = ", ".join(f"{d} {human_bytes(b['bytes'])}" for d, b in m["blobs"].items()) or "-"
+        blobs = ", ".join(f"{d} {human_bytes(b['bytes'])} {b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
+                          for d, b in m["blobs"].items()) or "-"
         rows.append((name, shapes.get("input_ids", "-"), shapes.get("attention_mask", "-"), past, blobs))
     click.echo(table(["model", "input_ids", "attention_mask", "past KV", "blobs"], rows))
     weights = out / manifest["weights"]

@@ -44,11 +44,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "openvino_detokenizer.xml", "openvino_detokenizer.bin")
 
 
-def device_config(device: str, *, for_export: bool) -> dict:
-    """How kvc compiles for a device: CPU exact f32 and weightless blobs; NPU through the real
-    plugin when an NPU is present, else through NPUW with CPU as its backend, weightless."""
+def device_config(device: str, *, for_export: bool, precision: str = "f32") -> dict:
+    """How kvc compiles for a device: CPU at `precision` ("f32": exact; "auto": the plugin's
+    default), weightless blobs; NPU through the real plugin when an NPU is present, else
+    through NPUW with CPU as its backend (f32), weightless."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown inference precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if device == "CPU":
-        return {**EXACT_CPU_CONFIG, **({"CACHE_MODE": "OPTIMIZE_SIZE"} if for_export else {})}
+        config = (dict(EXACT_CPU_CONFIG) if precision == "f32" else
+                  {} if precision == "auto" else {"INFERENCE_PRECISION_HINT": precision})
+        return {**config, **({"CACHE_MODE": "OPTIMIZE_SIZE"} if for_export else {})}
     if device == "NPU":
         return {} if "NPU" in core().available_devices else {**NPUW_CPU_CONFIG, **NPUW_WEIGHTLESS}
     raise UsageError(f"unknown device {device!r}; kvc compiles for {', '.join(DEVICES)}")
@@ -68,10 +73,18 @@ def blob_name(model: str, device: str) -> str:
     return f"{model}.{device}.blob"
 
 
+PRECISIONS = ("auto", "f32", "bf16", "f16")
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     static: StaticOptions = StaticOptions()
     devices: tuple[str, ...] = ("CPU",)
+    # The CPU blobs' arithmetic: "auto" is what the plugin picks for a user who sets nothing
+    # (bf16 where the host has AVX512_BF16 or AMX, else f32); "f32" is exact. The IR check
+    # runs on kvc's numpy runtime whatever this is, and blobs are judged by the rule their
+    # precision calls for (kvc.runtime.compare). NPU blobs through NPUW's CPU backend stay f32.
+    inference_precision: str = "auto"
     verify: bool = True
     verify_tokens: int = 8
     force: bool = False
@@ -84,7 +97,7 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     """Compile `model_path` into the directory `out`; return the manifest."""
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
-        device_config(device, for_export=True)
+        device_config(device, for_export=True, precision=options.inference_precision)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -196,7 +209,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
     for device in options.devices:
-        for name, blob in _export_blobs(work, xmls, device, progress).items():
+        for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress).items():
             models[name]["blobs"][device] = blob
     manifest = {
         "format": FORMAT,
@@ -287,9 +300,9 @@ def _require_kv_cache(model, file: Path) -> None:
             from None
 
 
-def _export_blobs(work: Path, xmls: dict[str, Path], device: str, progress) -> dict[str, dict]:
+def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress) -> dict[str, dict]:
     """Compile each saved model for `device` and write its blob; the manifest entry of each."""
-    config = device_config(device, for_export=True)
+    config = device_config(device, for_export=True, precision=precision)
     blobs = {}
     for name, xml in xmls.items():
         progress(f"compiling {name} for {device}")
@@ -304,7 +317,7 @@ def _export_blobs(work: Path, xmls: dict[str, Path], device: str, progress) -> d
         path = work / blob_name(name, device)
         write_bytes_atomic(path, blob)
         blobs[name] = {"file": path.name, "bytes": len(blob), "compile_config": config,
-                       "import_config": _import_config(device, config)}
+                       "import_config": _import_config(device, config, compiled)}
     return blobs
 
 
@@ -369,10 +382,16 @@ def embed_small_constants(model) -> None:
                 del rt[key]
 
 
-def _import_config(device: str, config: dict) -> dict:
-    """What import needs: a CPU blob forgets its inference precision (machines with bf16
-    default to it); weightless blobs (CPU, and NPU through NPUW) need the weights file."""
-    if device == "CPU" or config.get("NPUW_CWAI") == "YES":
+def _import_config(device: str, config: dict, compiled) -> dict:
+    """What import needs: a CPU blob forgets its arithmetic, so the precision and dynamic
+    quantization the compile chose (asked for, or the plugin's default) are recorded as the
+    compiled model reports them; weightless blobs (CPU, and NPU through NPUW) need the weights
+    file."""
+    if device == "CPU":
+        chosen = {"INFERENCE_PRECISION_HINT": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
+        return {**config, **chosen, "WEIGHTS_PATH": WEIGHTS_FILE}
+    if config.get("NPUW_CWAI") == "YES":
         return {**config, "WEIGHTS_PATH": WEIGHTS_FILE}
     return dict(config)
 

@@ -11,7 +11,7 @@ The policy, in order:
    everything, so a check written as ``error > tol`` would pass it.
 2. **Exact backends** (kvc's numpy runtime, OpenVINO CPU at f32, f32 KV): identical tokens and
    logits within ``F32_ATOL + F32_RTOL × max |reference logit|`` (``f32_bound``).
-3. **Reduced precision** (f16 KV, the NPU plugin): NRMSE ≤ ``F16_NRMSE`` over the steps that
+3. **Reduced precision** (f16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤ ``F16_NRMSE`` over the steps that
    share a context, and a token may differ only where rounding can explain it: the
    reference's margin between its token and the one chosen instead must be below twice the
    *noise* of this run, the largest logit error measured before the divergence (every logit
@@ -101,10 +101,12 @@ def count_nonfinite(logits) -> int:
     return int(sum(np.count_nonzero(~np.isfinite(x)) for x in logits))
 
 
-def reduced_precision(kv_element_types, backend: str) -> bool:
+def reduced_precision(kv_element_types, backend: str, config: dict | None = None) -> bool:
     """Whether a run is judged as reduced precision (module docstring, rule 3): KV stored in
-    anything but f32, or the NPU plugin."""
-    return backend == "npu" or any(t != "f32" for t in kv_element_types)
+    anything but f32, the NPU plugin, or an OpenVINO `config` whose inference precision is not
+    f32 (CPU blobs compiled at the plugin's default: bf16 on hosts with AVX512_BF16 or AMX)."""
+    precision = (config or {}).get("INFERENCE_PRECISION_HINT", "f32")
+    return backend == "npu" or precision != "f32" or any(t != "f32" for t in kv_element_types)
 
 
 def _finite_pairs(r: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,7 +190,7 @@ class Verdict:
 
 def judge(ref, actual, *, reduced: bool = False) -> Verdict:
     """Whether `actual` reproduces `ref` under the policy in the module docstring; `reduced`
-    for a reduced-precision path (f16 KV, the NPU plugin), else exact."""
+    for a reduced-precision path (f16 KV, the NPU plugin, CPU below f32), else exact."""
     c = compare_generations(ref, actual)
     div = c.first_divergent_token
     for side, run in (("found", actual), ("reference", ref)):

@@ -56,7 +56,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> list[dict]:
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
-    numpy runtime when given (exact with f32 KV on CPU, else reduced precision), else only
+    numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
     from kvc.export.manifest import plan_of
@@ -64,7 +64,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend)
-    reduced = reduced_precision(plan_of(manifest).kv_element_types, backend)
+    config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
+    reduced = reduced_precision(plan_of(manifest).kv_element_types, backend, config)
     rows = []
     for i, (prompt, n) in enumerate(cases):
         got = pipe.generate(prompt, n)
@@ -117,16 +118,18 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     kv_types = plan.kv_element_types
     references = {}
     rows = []
+    configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
             n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
-            verdict = judge(references[(i, n)], pipe.generate(prompt, n), reduced=reduced_precision(kv_types, backend))
+            verdict = judge(references[(i, n)], pipe.generate(prompt, n),
+                            reduced=reduced_precision(kv_types, backend, configs[backend]))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
-            "backend_configs": {b: backend_config(manifest, b, from_ir=from_ir) for b in backends},
+            "backend_configs": configs,
             "ok": all(r["ok"] for r in rows), "results": rows}

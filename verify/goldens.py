@@ -2,8 +2,10 @@
 
 `record` runs a compiled directory on one backend and writes, per prompt, the greedy tokens
 and each step's top-5 logits; `check` runs it again and fails on any token change or logit
-drift beyond tolerance (1e-4 for f32 KV; f16 KV: 1e-2 absolute, a generous bound for its
-rounding); a NaN or Inf anywhere in the logits fails, and is never recorded. The file names the kvc and OpenVINO versions that recorded it.
+drift beyond tolerance (`drift_bound`: 1e-4 on an exact path; f16 KV or the NPU plugin: 1e-2
+absolute, a generous bound for its rounding; bf16 or f16 CPU arithmetic: two units in the last
+place at the logits' magnitude, at least 1e-2); a NaN or Inf anywhere in the logits fails, and
+is never recorded. The file names the kvc and OpenVINO versions that recorded it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import numpy as np
 
 from kvc import __version__
 from kvc.errors import InvalidModelError, VerificationError
-from kvc.export.load import open_compiled
-from kvc.export.manifest import openvino_version
+from kvc.export.load import backend_config, open_compiled
+from kvc.export.manifest import openvino_version, read_manifest
 from kvc.ir.writer import write_bytes_atomic
 from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
 from kvc.runtime.static_pipeline import max_new_tokens
@@ -45,6 +47,25 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
     return data
 
 
+# Mantissa bits of the arithmetic a CPU blob may run at: one unit in the last place of x is
+# 2^(floor(log2 |x|) - bits).
+_MANTISSA_BITS = {"bf16": 7, "f16": 10}
+
+
+def drift_bound(data: dict, backend: str, config: dict) -> float:
+    """How far a checked logit may drift from its recorded value: 1e-4 on an exact path; 1e-2
+    on a reduced one (f16 KV, the NPU plugin), or two units in the last place at the largest
+    recorded |logit| where the arithmetic itself is bf16 or f16 (REFERENCE.md §7: bf16 near 18
+    has a unit of 0.125), whichever is larger."""
+    if not reduced_precision([data["kv_element_type"]], backend, config):
+        return 1e-4
+    bits = _MANTISSA_BITS.get(config.get("INFERENCE_PRECISION_HINT"))
+    scale = max((abs(v) for e in data["prompts"] for step in e["top_logits"] for _, v in step), default=0.0)
+    if bits is None or scale <= 0:
+        return 1e-2
+    return max(1e-2, 2.0 * 2.0 ** (np.floor(np.log2(scale)) - bits))
+
+
 def _at(tokens, i):
     return tokens[i] if i < len(tokens) else "(none)"
 
@@ -63,7 +84,8 @@ def load_goldens(path) -> dict:
 def check(directory, path, *, backend: str | None = None, from_ir: bool = False) -> dict:
     data = load_goldens(path)
     backend = backend or data["backend"]
-    atol = 1e-2 if reduced_precision([data["kv_element_type"]], backend) else 1e-4
+    config = backend_config(read_manifest(Path(directory)), backend, from_ir=from_ir) or {}
+    atol = drift_bound(data, backend, config)
     pipe = open_compiled(directory, backend, from_ir=from_ir, sha256=True)
     rows = []
     for i, entry in enumerate(data["prompts"]):

@@ -153,6 +153,20 @@ def test_goldens_record_and_check(compiled, tmp_path):
     assert "token 3 changed" in result.output
 
 
+def test_goldens_drift_bound_follows_the_arithmetic():
+    """1e-4 exact; 1e-2 for f16 KV; bf16 CPU arithmetic: two bf16 units at the largest recorded
+    |logit| (5.2: 2 x 2^(2-7) = 0.0625), never below 1e-2."""
+    from kvc.verify.goldens import drift_bound
+
+    data = {"kv_element_type": "f32", "prompts": [{"top_logits": [[[1, 5.2], [2, -3.0]]]}]}
+    assert drift_bound(data, "openvino", {"INFERENCE_PRECISION_HINT": "f32"}) == 1e-4
+    assert drift_bound(data, "numpy", {}) == 1e-4
+    assert drift_bound({**data, "kv_element_type": "f16"}, "openvino", {"INFERENCE_PRECISION_HINT": "f32"}) == 1e-2
+    assert drift_bound(data, "openvino", {"INFERENCE_PRECISION_HINT": "bf16"}) == 0.0625
+    small = {"kv_element_type": "f32", "prompts": [{"top_logits": [[[1, 0.5]]]}]}
+    assert drift_bound(small, "openvino", {"INFERENCE_PRECISION_HINT": "bf16"}) == 1e-2
+
+
 def test_diff_models_and_dump_steps(compiled, tmp_path):
     dumps = compiled / "dumps" / "prefill"
     kv_io_step = next(dumps.glob("*-kv-io.txt"))

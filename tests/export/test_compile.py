@@ -275,6 +275,24 @@ def test_a_capacity_past_the_models_max_positions_is_said(tmp_path):
     assert not [s for s in said if "warning" in s]
 
 
+@pytest.mark.parametrize("precision", ["auto", "f32"])
+def test_cpu_blobs_run_at_the_precision_a_deployment_gets(tmp_path, precision):
+    """auto: the CPU plugin's own default (bf16 on hosts with AVX512_BF16 or AMX, else f32),
+    recorded as the compiled model reports it and restored at import; f32: exact, judged so."""
+    from kvc.export.load import open_compiled
+    from kvc.ir.reader import core
+
+    options = StaticOptions(64, 64, kv_precision="f32")
+    manifest = compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options, inference_precision=precision))
+    expected = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() if precision == "auto" else "f32"
+    for entry in manifest["models"].values():
+        assert entry["blobs"]["CPU"]["import_config"]["INFERENCE_PRECISION_HINT"] == expected
+    exact = "logits within" in manifest["blob_check"][0]["reason"]
+    assert exact == (expected == "f32"), manifest["blob_check"][0]["reason"]
+    got = open_compiled(tmp_path / "out", "openvino").generate(fixtures.goldens("llama")["prompts"][0]["ids"], 4)
+    assert got.tokens == fixtures.goldens("llama")["prompts"][0]["tokens"]["openvino"][:4]
+
+
 def test_default_lengths_follow_the_models_positions(tmp_path):
     """Without --max-prompt-len/--min-response-len the capacity fits what config.json states:
     mpt (max_seq_len 256) compiles with the defaults, P lowered to 128 and the change recorded."""

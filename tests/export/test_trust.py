@@ -211,7 +211,7 @@ def test_a_blob_that_does_not_import_is_never_published(tmp_path, source, monkey
 
     real = compile_mod._import_config
     monkeypatch.setattr(compile_mod, "_import_config",
-                        lambda device, config: {**real(device, config), "WEIGHTS_PATH": "no-such-weights.bin"})
+                        lambda *args: {**real(*args), "WEIGHTS_PATH": "no-such-weights.bin"})
     out = tmp_path / "bad"
     result = kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", code=5)
     assert re.search(r"cannot import (prefill|generate-128)\.CPU\.blob on CPU: ", result.output)
