@@ -36,7 +36,7 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, as_
     """
     from kvc.export.compile import CompileOptions, compile_to
 
-    static = pop_static(kwargs, devices)
+    static = pop_static(kwargs, devices, inference_precision)
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
     for note in static.lengths().notes:

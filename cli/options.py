@@ -86,9 +86,11 @@ def pass_plugin_option(f):
 
 
 # The CPU's default prefill chunk, measured by bench/ttft.py on the 250M Llama (docs/benchmarks.md):
-# of 16, 32 and 64, 32 has the best worst-case TTFT against the stateful model over prompts of
-# 16 to 1000 tokens (1.8x, where the whole 1024-token prefill is 45x at 16 tokens).
-CPU_CHUNK = 32
+# the best worst-case TTFT against the stateful model over prompts of 16 to 1000 tokens. A call
+# costs a pass over the weights plus its tokens' work, so the cheaper a token's arithmetic, the
+# larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x, 64: 3.11x; the whole 1024-token
+# prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x; 32: 2.61x, 128: 3.15x).
+CPU_CHUNK = {"f32": 32, "bf16": 64, "f16": 64}
 
 
 def _chunk_value(ctx, param, value):
@@ -103,11 +105,18 @@ def _chunk_value(ctx, param, value):
     return chunk
 
 
-def resolve_chunk(value, devices=("CPU",)) -> int:
-    """--prefill-chunk-size auto: CPU_CHUNK when every device is the CPU, else 0."""
+def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
+    """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
+    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
     if value != "auto":
         return value
-    return CPU_CHUNK if set(devices) <= {"CPU"} else 0
+    if not set(devices) <= {"CPU"}:
+        return 0
+    if precision == "auto":
+        from kvc.ir.reader import core
+
+        precision = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+    return CPU_CHUNK.get(precision, CPU_CHUNK["f32"])
 
 
 def static_options(f):
@@ -123,7 +132,8 @@ def static_options(f):
                           "Default 128."),
         click.option("--prefill-chunk-size", default="auto", show_default=True, callback=_chunk_value,
                      help="Chunked prefill size, a power of two (0: the whole prompt at once). auto: "
-                          f"{CPU_CHUNK} when compiling for CPU only, else 0 (NPUW's default: up to 1024 at once)."),
+                          "when compiling for CPU only, 32 for f32 CPU blobs and 64 for bf16 or f16 ones, else 0 "
+                          "(NPUW's default: up to 1024 at once)."),
         click.option("--variants", default="single", show_default=True,
                      help="Generate variants: 'single' (P+R), 'pyramid' (NPUW's 1024*2^k+R), or sizes like 256,512."),
         click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
@@ -157,9 +167,10 @@ STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "vari
                "slice_logits", "beam", "attention", "passes_")
 
 
-def pop_static(kwargs: dict, devices=("CPU",)):
-    """The StaticOptions of the command's options; `auto` values resolved for `devices`."""
-    kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices)
+def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):
+    """The StaticOptions of the command's options; `auto` values resolved for `devices` and
+    the CPU blobs' `precision`."""
+    kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices, precision)
     return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
 
 

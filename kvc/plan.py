@@ -155,6 +155,9 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         if p2 != p:
             notes.append(f"max prompt length {p} aligned up to {p2} (multiple of the chunk size {chunk})")
         p = p2
+        if chunk == p:  # one chunk with an empty past: the whole prompt at once
+            notes.append(f"prefill chunk size {chunk} is the max prompt length: the whole prompt at once")
+            chunk = 0
     r = _align_up(min_response_len, align) if align > 1 else min_response_len
     if r != min_response_len:
         notes.append(f"min response length {min_response_len} aligned up to {r} (multiple of {align})")

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from kvc import fixtures
 from kvc.cli.main import cli
+from kvc.ir.reader import core
 from kvc.passes.framework.base import Pass, PassResult
 from kvc.passes.framework.registry import register_pass
 from tests.cli.runner import SMALL, kvc
@@ -26,23 +27,30 @@ from tests.cli.runner import SMALL, kvc
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "out"
-    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "CPU", "--dumps")
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--prefill-chunk-size", "32", "--device", "CPU", "--dumps")
     return out
 
 
 def test_compile_summary_and_outputs(compiled):
     assert (compiled / "manifest.json").exists() and (compiled / "dumps" / "prefill" / "index.json").exists()
     text = kvc("inspect", compiled).output
-    assert "lengths: prompt P=64, response R=64, chunk=32, capacity=128" in text  # auto, for CPU
+    assert "lengths: prompt P=64, response R=64, chunk=32, capacity=128" in text
     assert "generate-128  1x1        1x128           1x2x127x16" in text
 
 
-@pytest.mark.parametrize("args, chunk", [((), 32), (("--device", "NPU"), 0), (("--device", "CPU", "--device", "NPU"), 0),
+@pytest.mark.parametrize("args, chunk", [((), "host"), (("--inference-precision", "f32"), 32),
+                                         (("--inference-precision", "bf16"), 64), (("--device", "NPU"), 0),
+                                         (("--device", "CPU", "--device", "NPU"), 0),
                                          (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "16"), 16)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
-    """auto: the CPU's measured chunk (bench/ttft.py) when compiling for CPU only, else the
-    whole prompt at once, as NPUW does by default; an explicit size always wins."""
-    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL, "--no-verify", "--json", *args)
+    """auto: the CPU's measured chunk for the blobs' arithmetic (bench/ttft.py: 32 at f32, 64 at
+    bf16; by default the host's own precision) when compiling for CPU only, else the whole
+    prompt at once, as NPUW does by default; an explicit size always wins."""
+    if chunk == "host":
+        host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+        chunk = 64 if host in ("bf16", "f16") else 32
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--max-prompt-len", "128",
+                 "--min-response-len", "64", "--no-verify", "--json", *args)
     assert json.loads(result.stdout)["plan"]["lengths"]["prefill_chunk_size"] == chunk
 
 

@@ -48,6 +48,8 @@ def test_default_lengths_fit_the_models_positions():
 
 def test_plan_chunk_rules():
     assert plan_lengths(192, 64, chunk=128).prompt == 256
+    whole = plan_lengths(64, 64, chunk=64)  # one chunk, no past: the whole prompt
+    assert (whole.prompt, whole.chunk) == (64, 0) and "the whole prompt at once" in whole.notes[-1]
     with pytest.raises(UsageError, match="power of two"):
         plan_lengths(256, 64, chunk=48)
     with pytest.raises(UsageError, match="exceeds the max prompt length"):
