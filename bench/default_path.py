@@ -13,10 +13,11 @@ exports it), with kvc's defaults and nothing tuned:
   ttft         time to first token at prompts of 16, 100, 512 and 1000 tokens: kvc's pipeline
                from OUT's CPU blobs (generate(prompt, 1)) against the stateful model on CPU,
                alternating in one process (bench/ttft.py's measurements)
-  decode       ms per generated token after a 512-token prompt, 32 steps: kvc's pipeline from
-               OUT's CPU blobs against the stateful model on CPU at the same precision (f32:
-               INFERENCE_PRECISION_HINT f32) and at the plugin's default (bf16 where the host
-               has it), alternating rounds
+  decode       ms per generated token after a 512-token prompt, 32 steps, alternating rounds:
+               kvc's pipeline from OUT's CPU blobs (the default precision: the plugin's own,
+               bf16 where the host has it) against the stateful model at the plugin's defaults;
+               then, tuned and said so, OUT compiled with --inference-precision f32 against
+               the stateful model at f32 (INFERENCE_PRECISION_HINT f32)
 
 Ratios are kvc over the peer, medians of --reps runs; the machine is shared, so read ratios.
 
@@ -52,10 +53,11 @@ def peak_rss_mb() -> float:
 # -- children: one measurement each, in a fresh process, printing one JSON line ---------------
 def child(kind: str, model: Path, out: Path, device: str) -> dict:
     started = time.perf_counter()
-    if kind == "kvc-compile":
+    if kind in ("kvc-compile", "kvc-compile-f32"):
         from kvc.cli.main import cli
 
         args = ["compile", str(model), "-o", str(out)] + (["--device", device] if device != "CPU" else [])
+        args += ["--inference-precision", "f32"] if kind == "kvc-compile-f32" else []
         try:
             cli(args, prog_name="kvc")
         except SystemExit as exc:  # click exits when the command is done
@@ -184,20 +186,27 @@ def measure_ttft(model: Path, tmp: Path, reps: int, pipeline, core) -> list[dict
     return rows
 
 
-def measure_decode(model: Path, reps: int, pipeline, core, steps: int = 32) -> list[dict]:
+def measure_decode(model: Path, tmp: Path, reps: int, pipeline, core, steps: int = 32) -> list[dict]:
+    from kvc.export.load import open_compiled
+
     prompt = np.random.default_rng(1).integers(1, 32000, 512).astype(np.int64)
+    run_child("kvc-compile-f32", model, tmp / "compile-CPU-f32")
     rows = []
-    for label, config in (("f32 (same precision)", EXACT), ("plugin defaults", {})):
+    for label, ours_pipe, config in (("defaults", pipeline, {}),
+                                     ("tuned: --inference-precision f32", open_compiled(tmp / "compile-CPU-f32", "openvino"),
+                                      EXACT)):
         stateful = core.compile_model(str(model / "openvino_model.xml"), "CPU", config)
         precision = stateful.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+        blob = json.loads((tmp / ("compile-CPU-0" if not config else "compile-CPU-f32") / "manifest.json").read_text())
+        ours_precision = blob["models"]["prefill"]["blobs"]["CPU"]["import_config"]["INFERENCE_PRECISION_HINT"]
         ours, theirs = [], []
         for _ in range(reps):
-            ours.append(statistics.median(pipeline.generate(prompt, steps + 1).step_seconds))
+            ours.append(statistics.median(ours_pipe.generate(prompt, steps + 1).step_seconds))
             theirs.append(statistics.median(stateful_generate(stateful, prompt, steps + 1)[1]))
-        rows.append({"step": "decode", "what": "decode after a 512-token prompt, per token",
-                     "peer": f"stateful model on CPU, {label}: {precision}",
+        rows.append({"step": "decode", "what": f"decode after a 512-token prompt, per token ({label}: {ours_precision})",
+                     "peer": f"stateful model on CPU at {precision}",
                      "kvc_s": statistics.median(ours), "peer_s": statistics.median(theirs)})
-        del stateful
+        del stateful, ours_pipe
     return rows
 
 
@@ -261,7 +270,7 @@ def main(argv=None) -> int:
             if "ttft" in only:
                 rows += measure_ttft(args.model, tmp, args.reps, pipeline, core)
             if "decode" in only:
-                rows += measure_decode(args.model, args.reps, pipeline, core)
+                rows += measure_decode(args.model, tmp, args.reps, pipeline, core)
     print(json.dumps(rows))
     print()
     print(table(rows))
