@@ -342,7 +342,7 @@ def _check(model_path: Path, work: Path, manifest: dict, static, options: Compil
     verification = ir_gens = None
     if options.verify:
         progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
-        ir_gens = ir_generations(static, cases)
+        ir_gens = ir_generations(work, manifest, cases)
         verification = verify_static(load(model_path), static, cases, ir_gens)
         if not verification["ok"]:
             bad = next(r for r in verification["results"] if not r["ok"])

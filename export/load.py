@@ -44,7 +44,16 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     check_ports(directory, name, entry, model.inputs, model.outputs)
     if backend == "numpy":
         return NumpySession(model)
-    return OpenVINOSession(model, device, device_config(device, for_export=False))
+    return OpenVINOSession(model, device, _ir_config(blob, device))
+
+
+def _ir_config(blob: dict | None, device: str) -> dict:
+    """How a model runs from its IR on `device`: as its blob runs (the precision its compile
+    chose, recorded in the import config), so that a blob and its IR differ only by the blob;
+    without a blob, exact."""
+    if blob is None:
+        return device_config(device, for_export=False)
+    return {k: v for k, v in blob["import_config"].items() if k != "WEIGHTS_PATH"}
 
 
 def _import_core(config: dict):
@@ -66,8 +75,7 @@ def backend_config(manifest: dict, backend: str, *, from_ir: bool = False) -> di
         return None
     device = _DEVICE[backend]
     blob = manifest["models"]["prefill"]["blobs"].get(device)
-    return dict(blob["import_config"]) if blob is not None and not from_ir else \
-        device_config(device, for_export=False)
+    return dict(blob["import_config"]) if blob is not None and not from_ir else _ir_config(blob, device)
 
 
 def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: bool = False,
