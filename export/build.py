@@ -22,7 +22,6 @@ from pathlib import Path
 
 import openvino as ov
 
-from kvc.ir import collector
 from kvc.ir.bundle import Bundle
 from kvc.ir.kv_discovery import kv_layout
 from kvc.ir.naming import canonicalize_friendly_names
@@ -87,8 +86,7 @@ def build_static(model: ov.Model, options: StaticOptions = StaticOptions(),
     With a `bundle`, the weights of `model` start being copied into it before any pass runs
     (unless `kvc.ir.load` already started them), and each static model is added to it as soon
     as it is built (saving overlaps the passes; `bundle.commit()` finishes)."""
-    with collector.paused():
-        return _build_static(model, options, instrumentation, use_env, bundle)
+    return _build_static(model, options, instrumentation, use_env, bundle)
 
 
 def _build_static(model: ov.Model, options: StaticOptions, instrumentation: Instrumentation | None,

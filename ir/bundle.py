@@ -9,9 +9,9 @@ distinct constant once into `weights.bin` and points every model's Const layers 
    buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
    file are laid out back to back again, each still at a multiple of 64 bytes, and read
    from that file as one run into a staging buffer that goes to disk with O_DIRECT (the
-   model's mapped pages are not touched, and the page cache is skipped). The copy runs in a
-   helper process (`WeightsWriter`, `weights_stream.py`), started as soon as the input's
-   XML is read, before OpenVINO even reads the model;
+   model's mapped pages are not touched, and the page cache is skipped). The copy runs on a
+   thread (`WeightsWriter`, `weights_stream.py`), started as soon as the input's XML is
+   read, before OpenVINO even reads the model;
 2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import bisect
 import html
-import json
 import logging
 import os
 import queue
 import re
-import subprocess
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -212,71 +209,16 @@ def _layout(distinct: _Distinct) -> tuple[dict[_Key, int], list[_Segment], int]:
     return offsets, segments, end
 
 
-class _Helper:
-    """The copy of a weights file's runs, in a process of its own (`weights_stream.py`): a
-    thread here would wait for the GIL between every read and write while the passes hold
-    it (see that module for the numbers)."""
-
-    SCRIPT = Path(__file__).with_name("weights_stream.py")
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-
-    @classmethod
-    def start(cls, path: Path, segments: list[_Segment]) -> _Helper | None:
-        """Start copying `segments` into `path`; None if no process can be started (or this
-        Python is a frozen application, whose executable is not an interpreter)."""
-        if getattr(sys, "frozen", False) or not sys.executable:
-            return None
-        job = {"path": str(path), "segments": [[seg.source.path, seg.source.device, seg.source.inode,
-                                                seg.source.offset, seg.size, seg.offset] for seg in segments]}
-        try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(cls.SCRIPT)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        except OSError as exc:
-            log.debug("weights: no helper process (%s); copying on a thread", exc)
-            return None
-        try:
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        except OSError:
-            pass  # it died: `wait` says so
-        proc.stdin = None  # closed here: `communicate` must not flush it again
-        return cls(proc)
-
-    def wait(self) -> dict | None:
-        """Its report (`weights_stream.copy`), or None if it failed."""
-        out, err = self.proc.communicate()
-        if self.proc.returncode != 0:
-            log.debug("weights: helper process failed (%s): %s", self.proc.returncode, err.decode(errors="replace"))
-            return None
-        try:
-            report = json.loads(out)
-        except ValueError:
-            report = None
-        if not (isinstance(report, dict) and isinstance(report.get("end"), int)
-                and isinstance(report.get("short"), bool)):
-            log.debug("weights: helper process gave no report: %r", out[:200])
-            return None
-        return report
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
-
-
 class WeightsWriter:
     """The weights file of a bundle, written and fsynced beside the passes.
 
     Writing ~0.5 GB and fsyncing it is most of the cost of saving a static pipeline.
     `start_file(weights, consts)` (with where the input's Consts are in its weights file) or
     `start(model)` (with the model the bundle's models are built from, as loaded) lays out
-    the runs of those constants and starts copying them while the passes run, in a helper
-    process (`_Helper`; on a thread of this one if none can start). `finish` then checks that
-    layout against the final models' (from `Bundle.commit`): if it holds, it appends the rest
-    on a thread; if a pass dropped a constant from a run, or the file changed meanwhile, it
-    starts over. The file's bytes are the same either way. Use as a context manager: leaving
+    the runs of those constants and starts copying them on a thread while the passes run.
+    `finish` then checks that layout against the final models' (from `Bundle.commit`): if it
+    holds, it appends the rest; if a pass dropped a constant from a run, or the file changed
+    meanwhile, it starts over. The file's bytes are the same either way. Use as a context manager: leaving
     it without `commit` removes the temporary file."""
 
     def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:
@@ -291,11 +233,9 @@ class WeightsWriter:
             raise
         self.primed: list[_Segment] = []
         self.restarts = 0  # layouts that `finish` found different from the primed one
-        self.helped = 0  # bytes the helper process copied (0: it did not)
         self._started = False
         # (device, inode, constants) when primed by `start_file`: no bytes in memory to fall back on
         self._file_source: tuple | None = None
-        self._helper: _Helper | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -308,9 +248,6 @@ class WeightsWriter:
         if exc_type is not None:
             self._cancelled = True  # skip what is queued: the file is being thrown away
         try:
-            if self._helper is not None:
-                self._helper.kill()
-                self._helper = None
             self._stop()
         except BaseException:
             if exc_type is None:  # else the error already on its way matters more
@@ -354,31 +291,20 @@ class WeightsWriter:
     def _prime(self, primed: list[_Segment], file_source: tuple | None = None) -> None:
         self.primed, self._started, self._file_source = primed, True, file_source
         if primed:
-            self._helper = _Helper.start(self.tmp, primed)
-            if self._helper is None:
-                self._submit(primed)
+            self._submit(primed)
 
     def _start_over(self) -> None:
         """Forget what was copied: the file is empty again."""
-        if self._helper is not None:
-            self._helper.kill()
-            self._helper = None
         self._stop()
         self.stream.reset()
         os.ftruncate(self.fd, 0)
-        self.primed, self._file_source, self.helped = [], None, 0
+        self.primed, self._file_source = [], None
 
     def finish(self, segments: list[_Segment], size: int) -> None:
         """Queue the final layout (all of it) and the fsync; returns at once."""
         placed = [seg.place() for seg in segments[:len(self.primed)]]
         whole = True  # did the copy get every byte it was asked for?
-        if self._helper is not None:
-            report, self._helper = self._helper.wait(), None
-            whole = report is not None and not report["short"]
-            if whole:
-                self.helped = report["end"]
-                self.stream.resume_at(report["end"])
-        elif self._file_source is not None:
+        if self._file_source is not None:
             self._stop()  # primed from the file alone: did the file give all of it?
             whole = not self.stream.short
         if placed != [seg.place() for seg in self.primed] or not whole:
@@ -389,8 +315,6 @@ class WeightsWriter:
 
     def commit(self) -> Path:
         """Wait for the thread; rename the finished file into place."""
-        if self._helper is not None:
-            raise RuntimeError("WeightsWriter.commit before finish: the helper process is still copying")
         self._stop()
         self.stream.release()
         os.close(self.fd)

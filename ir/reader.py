@@ -14,7 +14,6 @@ from pathlib import Path
 import openvino as ov
 
 from kvc.errors import InvalidModelError, openvino_reason
-from kvc.ir import collector
 from kvc.ir.validate import check_inside, validate_ir, validate_onnx
 
 # File names optimum-intel and openvino.genai use for the language model of a directory.
@@ -95,8 +94,7 @@ def load(path: str | Path, *, weights: str | Path | None = None, validate: bool 
             raise InvalidModelError("unknown-format", str(files.model), "a weights file applies to an IR (.xml) only")
         files = ModelFiles("ir", files.model, check_inside(Path(weights), files.root, str(files.model),
                                                            "weights file"), files.root)
-    with collector.paused():
-        return _load(files, validate, consts_found)
+    return _load(files, validate, consts_found)
 
 
 def _load(files: ModelFiles, validate: bool, consts_found) -> ov.Model:

@@ -1,20 +1,15 @@
 """Write a weights file front to back through staging buffers, with O_DIRECT where allowed.
 
-Used in-process by `kvc.ir.bundle`, and run as its own process (`python -I -S
-weights_stream.py`, a JSON job on stdin) to copy a model's weights from their file while the
-passes run: a thread of the compiling process would need the GIL between reads and writes,
-and the passes hold it for tens of milliseconds at a time (OpenVINO's serializer, clone and
-shape inference); on the benchmark's fp32 model that made kvc's work 0.92-1.12 s, against
-0.80-0.98 s with the helper. Standard library only, so that the helper starts in milliseconds.
+Used by `kvc.ir.bundle` on a thread of the compiling process, while the passes run. (A helper
+process did this copy until 2026-11-25; an A/B of the default `kvc compile` found the thread
+no slower: bench/ab_mechanisms.py.)
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -168,13 +163,6 @@ class Stream:
         os.ftruncate(self.fd, size)
         os.fsync(self.fd)
 
-    def resume_at(self, offset: int) -> None:
-        """Go on from `offset` (up to which another writer filled the file), buffered: it need
-        not be block-aligned."""
-        self.settle()
-        self.direct = set_direct(self.fd, False)
-        self.base, self.fill = offset, 0
-
     def _pad_to(self, offset: int) -> None:
         gap = offset - (self.base + self.fill)
         if gap < 0:
@@ -243,32 +231,3 @@ class Stream:
                 self.direct = set_direct(self.fd, False)  # accepted at open, refused on write
         if not self.direct and _sync_file_range is not None:
             _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-def copy(job: dict) -> dict:
-    """Copy `job["segments"]` ([source path, device, inode, offset, size, offset in the
-    destination] each, in file order) into `job["path"]`; report where the bytes end and
-    whether a source gave less than asked. The last block is padded, not cut: the caller
-    writes the rest of the file and its size."""
-    fd = os.open(job["path"], os.O_WRONLY)
-    stream = Stream(fd)
-    try:
-        end = 0
-        for path, device, inode, offset, size, at in job["segments"]:
-            stream.write(Segment(at, size, Origin(path, device, inode, offset), [(0, None)]))
-            end = at + size
-        stream.flush()
-        return {"end": end, "short": stream.short}
-    finally:
-        stream.release()
-        os.close(fd)
-
-
-def main() -> int:
-    result = copy(json.load(sys.stdin))
-    json.dump(result, sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

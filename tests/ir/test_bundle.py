@@ -100,10 +100,9 @@ def test_mapped_weights_are_read_from_their_file_during_the_passes(tmp_path, fil
         _static(bundle)
         bundle.commit()
         assert bundle.weights.primed and bundle.weights.restarts == 0
-        helped = bundle.weights.helped  # read from the file by the helper process
     big = sum(s for o, s in _const_layers((tmp_path / "prefill.xml").read_text()) if s >= 1 << 16)
-    assert helped >= big > 0
-    assert file_reads["written"] < helped / 10
+    assert file_reads["copied"] >= big > 0  # read from the file by the copy thread
+    assert file_reads["written"] < file_reads["copied"] / 10
 
 
 def test_a_layout_the_passes_broke_is_rewritten_whole(tmp_path):
@@ -275,63 +274,20 @@ def _same_files(a, b):
 def test_weights_primed_from_the_validated_file_come_out_the_same(tmp_path, file_reads):
     weights = _primed_from_file(tmp_path / "primed")
     assert weights.primed and weights.restarts == 0
-    assert weights.helped > 0 and file_reads["written"] < weights.helped / 10
+    assert file_reads["copied"] > 0 and file_reads["written"] < file_reads["copied"] / 10
     save_bundle(_static().models, tmp_path / "plain")
     _same_files(tmp_path / "plain", tmp_path / "primed")
 
 
-@pytest.mark.parametrize("copier", ["helper found it short", "helper failed", "helper said nothing useful",
-                                    "thread found it short"])
-def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch, copier):
-    """Primed from the file alone, a short read (the file cut or replaced meanwhile) or a
-    helper process that died has no bytes in memory to fall back on: the weights file starts
-    over, from the loaded model."""
-    if copier == "helper found it short":
-        _fake_helper(tmp_path, monkeypatch, 'print(\'{"end": 0, "short": true}\')')
-    elif copier == "helper failed":
-        _fake_helper(tmp_path, monkeypatch, "sys.exit('out of disk')")
-    elif copier == "helper said nothing useful":
-        _fake_helper(tmp_path, monkeypatch, "print('{\"end\": \"far\"}')")
-    else:
-        monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
-        monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
+def test_a_copy_that_missed_bytes_starts_over_from_memory(tmp_path, monkeypatch):
+    """Primed from the file alone, a short read (the file cut or replaced meanwhile) has no
+    bytes in memory to fall back on: the weights file starts over, from the loaded model."""
+    monkeypatch.setattr(bundle_mod.os, "preadv", lambda *a: 0)  # every read finds the end of the file
     weights = _primed_from_file(tmp_path / "primed")
     monkeypatch.undo()
-    assert weights.restarts == 1 and weights.helped == 0
+    assert weights.restarts == 1
     save_bundle(_static().models, tmp_path / "plain")
     _same_files(tmp_path / "plain", tmp_path / "primed")
-
-
-def _fake_helper(tmp_path, monkeypatch, code):
-    script = tmp_path / "fake_helper.py"
-    script.write_text("import sys\nsys.stdin.read()\n" + code + "\n")
-    monkeypatch.setattr(bundle_mod._Helper, "SCRIPT", script)
-
-
-def test_without_a_helper_process_the_weights_are_copied_on_a_thread(tmp_path, monkeypatch, file_reads):
-    monkeypatch.setattr(bundle_mod._Helper, "start", classmethod(lambda cls, path, segments: None))
-    weights = _primed_from_file(tmp_path / "thread")
-    assert weights.restarts == 0 and weights.helped == 0 and file_reads["copied"] > 0
-    monkeypatch.undo()
-    _primed_from_file(tmp_path / "helper")
-    _same_files(tmp_path / "thread", tmp_path / "helper")
-
-
-def test_the_copy_reports_a_source_shorter_than_asked(tmp_path):
-    """`weights_stream.copy`, what the helper process runs: bytes copied as asked, and a
-    source that ends early is reported, not papered over."""
-    src = tmp_path / "src.bin"
-    src.write_bytes(bytes(range(256)) * 1000)
-    st = src.stat()
-    dst = tmp_path / "dst.bin"
-    dst.write_bytes(b"")
-    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino, 100, 5000, 64]]})
-    assert report["end"] == 5064 and not report["short"]
-    assert dst.read_bytes()[64:5064] == src.read_bytes()[100:5100] and dst.read_bytes()[:64] == bytes(64)
-    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino, 255000, 5000, 0]]})
-    assert report["short"]  # the file ends 5000 bytes early
-    report = weights_stream.copy({"path": str(dst), "segments": [[str(src), st.st_dev, st.st_ino + 1, 0, 100, 0]]})
-    assert report["short"]  # not the file that was mapped (another inode): nothing read from it
 
 
 def test_a_weights_file_replaced_between_validation_and_reading_is_not_mixed(tmp_path):
@@ -395,28 +351,6 @@ def test_direct_io_refused_at_the_first_write_falls_back_to_buffered(tmp_path, m
     assert refused == [0] and stream.direct is False
     data = (tmp_path / "w.bin").read_bytes()
     assert data[:64] == bytes(64) and data[64:] == payload.tobytes()
-
-
-def test_the_garbage_collector_is_left_as_it_was(tmp_path):
-    """Loading and building pause Python's collector for speed; the caller's setting survives,
-    also when they fail."""
-    import gc
-
-    from kvc.errors import InvalidModelError
-
-    assert gc.isenabled()
-    _static()
-    assert gc.isenabled()
-    (tmp_path / "broken.xml").write_text("<net><layers>")
-    with pytest.raises(InvalidModelError, match="not well-formed"):
-        ir.load(tmp_path / "broken.xml")
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        _static()
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
 
 
 def test_the_first_guess_of_the_weights_is_what_validation_finds():
