@@ -8,9 +8,8 @@ distinct constant once into `weights.bin` and points every model's Const layers 
    input), else by the memory they view (OpenVINO clones and reshapes share a Constant's
    buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
    file are laid out back to back again, each still at a multiple of 64 bytes, and read
-   from that file as one run into a staging buffer that goes to disk with O_DIRECT (the
-   model's mapped pages are not touched, and the page cache is skipped). The copy runs on a
-   thread (`WeightsWriter`, `weights_stream.py`), started as soon as the input's XML is
+   from that file as one run into a staging buffer that goes to disk (the model's mapped
+   pages are not touched). The copy runs on a thread (`WeightsWriter`, `weights_stream.py`), started as soon as the input's XML is
    read, before OpenVINO even reads the model;
 2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);

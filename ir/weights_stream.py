@@ -1,13 +1,12 @@
-"""Write a weights file front to back through staging buffers, with O_DIRECT where allowed.
+"""Write a weights file front to back through staging buffers.
 
 Used by `kvc.ir.bundle` on a thread of the compiling process, while the passes run. (A helper
-process did this copy until 2026-11-25; an A/B of the default `kvc compile` found the thread
-no slower: bench/ab_mechanisms.py.)
+process did this copy, with O_DIRECT writes, until 2026-11-25: an A/B of the default `kvc
+compile` found neither faster, 0.970x and 1.001x without them: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +45,6 @@ _CHUNK = 32 << 20  # each staging buffer: large enough for the disk, small next 
 _FIRST_CHUNK = 8 << 20
 _BUFFERS = 3  # two on their way to disk while the third fills
 _WRITERS = 2  # a virtual disk takes more with two writes queued: fp32 work 0.93 -> 0.85 s
-_BLOCK = 4096  # O_DIRECT offsets and lengths are multiples of this (or of a divisor of it)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -64,21 +62,6 @@ def _libc_sync_file_range():
 _sync_file_range = _libc_sync_file_range()
 
 
-def set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for `fd`; False where the OS or filesystem refuses (tmpfs)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if not direct:
-        return False
-    try:
-        import fcntl
-
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | direct) if on else (flags & ~direct))
-        return on
-    except OSError:
-        return False
-
-
 def pwrite_all(fd: int, data: bytes, offset: int) -> None:
     """os.pwrite until all of `data` is written (it may write less at a time)."""
     view, done = memoryview(data), 0
@@ -87,19 +70,13 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 
 class Stream:
-    """The weights file, written front to back through page-aligned staging buffers.
-
-    Each full buffer goes to disk with O_DIRECT where the filesystem allows it: the disk reads
-    it straight from the buffer, so a weights file costs one copy (file to buffer, by the
-    kernel: `preadv`) instead of two plus page-cache bookkeeping. That is a quarter of the CPU
-    time of a `copy_file_range` through the page cache, and the CPU is what the passes running
-    beside it need. Elsewhere the writes are buffered, each handed to the disk at once with
-    `sync_file_range`. Full buffers are written on threads of their own while the next one
-    fills, so the disk is never idle. Segments must come in file order."""
+    """The weights file, written front to back through staging buffers: the source file's
+    runs are read into a buffer (`preadv`), and each full buffer is written on a thread of its
+    own while the next one fills, handed to the disk at once with `sync_file_range`. Segments
+    must come in file order."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.direct = set_direct(fd, True)
         self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(_BUFFERS)]
         self.current = 0  # the buffer being filled, `view`
         self.view = self.buffers[0]
@@ -111,7 +88,6 @@ class Stream:
 
     def reset(self) -> None:
         self.settle()
-        self.direct = set_direct(self.fd, True)
         self.base = self.fill = 0
         self.limit = min(_FIRST_CHUNK, _CHUNK)
         self.short = False
@@ -149,12 +125,10 @@ class Stream:
                 self._put_memory(view[done:])
 
     def flush(self) -> None:
-        """Write what is buffered (with O_DIRECT, its last block padded with zeros)."""
+        """Write what is buffered."""
         self.settle()
         if self.fill:
-            length = self.fill + (-self.fill % _BLOCK) if self.direct else self.fill
-            self.view[self.fill:length] = bytes(length - self.fill)
-            self._write(length)
+            self._write(self.fill)
             self.settle()
 
     def close(self, size: int) -> None:
@@ -221,13 +195,6 @@ class Stream:
         self.fill = 0
 
     def _to_disk(self, view: memoryview, length: int, offset: int) -> None:
-        done = 0
-        while done < length:
-            try:
-                done += os.pwrite(self.fd, view[done:length], offset + done)
-            except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
-                    raise
-                self.direct = set_direct(self.fd, False)  # accepted at open, refused on write
-        if not self.direct and _sync_file_range is not None:
+        pwrite_all(self.fd, view[:length], offset)
+        if _sync_file_range is not None:
             _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
