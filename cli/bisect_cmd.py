@@ -27,11 +27,11 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     from kvc.cli.options import parse_ids
     from kvc.verify.bisect import bisect as run_bisect
 
-    from kvc.export.compile import fit_to_model
+    from kvc.export.compile import fit_to_model, model_max_positions
     from kvc.ir.reader import resolve
 
     path = resolve_model(model)
-    options = fit_to_model(pop_static(kwargs), resolve(path).root)
+    options = fit_to_model(pop_static(kwargs), model_max_positions(resolve(path).root))
     from kvc.export.build import common_passes
     from kvc.passes import format_pipeline
 

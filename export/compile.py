@@ -202,8 +202,9 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     until the end)."""
     progress(f"loading {model_path}")
     source = source_hashes(model_path)
-    options = dataclasses.replace(options, static=fit_to_model(options.static, resolve(model_path).root))
-    static, xmls = _build_and_save(model_path, work, options, progress)
+    stated = model_max_positions(resolve(model_path).root)
+    options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
+    static, xmls = _build_and_save(model_path, work, options, stated, progress)
     models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
                      "inputs": port_table(static.models[name].inputs),
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
@@ -229,7 +230,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     return manifest
 
 
-def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progress):
+def _build_and_save(model_path: Path, work: Path, options: CompileOptions, stated: tuple[str, int] | None, progress):
     """The static models, built and written as `.xml` files over one weights.bin."""
     instr = options.instrumentation
     if options.dumps:
@@ -238,7 +239,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, progr
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
         _require_kv_cache(model, resolve(model_path).model)
-        beyond = _beyond_max_positions(resolve(model_path).root, options.static)
+        beyond = _beyond_max_positions(stated, options.static)
         if beyond:
             progress(f"warning: {beyond}; positions past it are outside what the model was built for")
         try:
@@ -268,18 +269,16 @@ def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
     return None if key is None else (key, config[key])
 
 
-def fit_to_model(options: StaticOptions, source_dir: Path) -> StaticOptions:
-    """`options` knowing the model's maximum positions, so that default lengths fit them
-    (kvc.plan.plan_lengths)."""
-    stated = model_max_positions(source_dir)
+def fit_to_model(options: StaticOptions, stated: tuple[str, int] | None) -> StaticOptions:
+    """`options` knowing the model's maximum positions (`model_max_positions`), so that
+    default lengths fit them (kvc.plan.plan_lengths)."""
     if stated is None or options.max_positions is not None:
         return options
     return dataclasses.replace(options, max_positions=stated[1])
 
 
-def _beyond_max_positions(source_dir: Path, options: StaticOptions) -> str | None:
+def _beyond_max_positions(stated: tuple[str, int] | None, options: StaticOptions) -> str | None:
     """When the capacity P + R exceeds the model's stated maximum positions, say so."""
-    stated = model_max_positions(source_dir)
     capacity = options.lengths().capacity
     if stated is None or capacity <= stated[1]:
         return None

@@ -9,8 +9,8 @@ distinct constant once into `weights.bin` and points every model's Const layers 
    buffer), so deduplication costs no hashing; constants that lie back to back in a mapped
    file are laid out back to back again, each still at a multiple of 64 bytes, and read
    from that file as one run into a staging buffer that goes to disk (the model's mapped
-   pages are not touched). The copy runs on a thread (`WeightsWriter`, `weights_stream.py`), started as soon as the input's XML is
-   read, before OpenVINO even reads the model;
+   pages are not touched). The copy runs on a thread (`WeightsWriter`, `weights_stream.py`),
+   started as soon as the input's XML is read, before OpenVINO even reads the model;
 2. each model is serialized with its large Constants temporarily replaced by placeholder
    Parameters, so OpenVINO writes only the graph (no weights), into memory (/dev/shm);
 3. the placeholder layers are rewritten into Const layers with their offset and size.
@@ -217,8 +217,8 @@ class WeightsWriter:
     the runs of those constants and starts copying them on a thread while the passes run.
     `finish` then checks that layout against the final models' (from `Bundle.commit`): if it
     holds, it appends the rest; if a pass dropped a constant from a run, or the file changed
-    meanwhile, it starts over. The file's bytes are the same either way. Use as a context manager: leaving
-    it without `commit` removes the temporary file."""
+    meanwhile, it starts over. The file's bytes are the same either way. Use as a context
+    manager: leaving it without `commit` removes the temporary file."""
 
     def __init__(self, directory: str | Path, name: str = WEIGHTS_FILE) -> None:
         self.directory, self.name = Path(directory), name

@@ -7,7 +7,6 @@ compile` found neither faster, 0.970x and 1.001x without them: docs/benchmarks.m
 
 from __future__ import annotations
 
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ class Stream:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.buffers = [memoryview(mmap.mmap(-1, _CHUNK)) for _ in range(_BUFFERS)]
+        self.buffers = [memoryview(bytearray(_CHUNK)) for _ in range(_BUFFERS)]
         self.current = 0  # the buffer being filled, `view`
         self.view = self.buffers[0]
         self.base = self.fill = 0  # `view` holds the file's bytes [base, base + fill)

@@ -176,8 +176,6 @@ def compare_generations(ref, actual) -> Comparison:
     return Comparison(max_abs(fr, fa), nrmse(fr, fa), top1_agreement(r, a), div, steps, m, noise, bad, f32_bound(fr))
 
 
-
-
 @dataclass(frozen=True)
 class Verdict:
     ok: bool

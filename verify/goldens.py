@@ -17,8 +17,8 @@ import numpy as np
 
 from kvc import __version__
 from kvc.errors import InvalidModelError, VerificationError
-from kvc.export.load import backend_config, open_compiled
-from kvc.export.manifest import openvino_version, read_manifest
+from kvc.export.load import backend_config, open_compiled, pipeline_from
+from kvc.export.manifest import check_files, openvino_version, read_manifest
 from kvc.ir.writer import write_bytes_atomic
 from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
 from kvc.runtime.static_pipeline import max_new_tokens
@@ -84,9 +84,10 @@ def load_goldens(path) -> dict:
 def check(directory, path, *, backend: str | None = None, from_ir: bool = False) -> dict:
     data = load_goldens(path)
     backend = backend or data["backend"]
-    config = backend_config(read_manifest(Path(directory)), backend, from_ir=from_ir) or {}
-    atol = drift_bound(data, backend, config)
-    pipe = open_compiled(directory, backend, from_ir=from_ir, sha256=True)
+    manifest = read_manifest(Path(directory))
+    check_files(Path(directory), manifest, sha256=True)
+    atol = drift_bound(data, backend, backend_config(manifest, backend, from_ir=from_ir) or {})
+    pipe = pipeline_from(Path(directory), manifest, backend, from_ir=from_ir)
     rows = []
     for i, entry in enumerate(data["prompts"]):
         gen = pipe.generate(entry["ids"], len(entry["tokens"]))
