@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import click
 
 from kvc.cli.options import json_option, parse_ids
-from kvc.cli.render import echo_json
+from kvc.cli.render import echo_json, table
 from kvc.errors import UsageError
 
 
@@ -34,11 +35,38 @@ def load_tokenizer(directory: Path):
 @click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
 @click.option("--check", is_flag=True,
               help="Check every file's sha256 against the manifest first (sizes are always checked).")
+@click.option("--requests", "requests_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Replay a workload: one JSON request a line (id, prompt_ids or prompt, max_new_tokens, "
+                   "session, retention, decode_priority; docs/kv-cache.md).")
+@click.option("--prefix-cache", is_flag=True,
+              help="With --requests: cache KV blocks across requests (NPUW_LLM_ENABLE_PREFIX_CACHING; needs a "
+                   "chunked prefill).")
+@click.option("--prefix-caching-block-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per cached block, a multiple of the prefill chunk (default: the chunk).")
+@click.option("--prefix-caching-max-num-blocks", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Blocks the prefix cache holds.")
+@click.option("--prefix-caching-max-bytes", type=click.IntRange(min=1), default=None,
+              help="Bytes of KV rows the prefix cache holds (default: no byte limit).")
+@click.option("--retention-policy", type=click.Choice(["priority", "lru"]), default="priority", show_default=True,
+              help="Eviction order: request priorities, then least recently used; or LRU alone.")
+@click.option("--events", "events_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --prefix-cache: write the KV cache events (stored, removed, updated) as JSON lines.")
 @json_option
-def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, as_json):
-    """Generate greedily from a prompt through the compiled prefill and generate models."""
+def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, requests_path, prefix_cache,
+        prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes, retention_policy,
+        events_path, as_json):
+    """Generate greedily from a prompt through the compiled prefill and generate models, or
+    replay a workload of requests (--requests) with a prefix cache and chat sessions."""
     from kvc.export.load import open_compiled
 
+    if requests_path is not None:
+        if prompt_ids is not None or text is not None:
+            raise click.UsageError("--requests replays its own prompts: leave out --prompt-ids and --prompt")
+        return run_requests(out, requests_path, backend, from_ir, check, as_json, prefix_cache,
+                            prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
+                            retention_policy, events_path)
+    if prefix_cache or events_path is not None:
+        raise click.UsageError("--prefix-cache and --events go with --requests")
     if (prompt_ids is None) == (text is None):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     tokenizer = load_tokenizer(out) if text is not None else None
@@ -58,6 +86,49 @@ def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, as_json)
     if decoded is not None:
         click.echo(f"text: {printable(decoded)}")
     click.echo(metrics_line(metrics, backend))
+
+
+def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool, as_json: bool, prefix_cache: bool,
+                 block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None) -> None:
+    from kvc.cache.prefix import PrefixCache
+    from kvc.cache.requests import read_requests
+    from kvc.cache.serving import CachedPipeline, replay
+    from kvc.export.load import open_compiled
+
+    entries = read_requests(path)
+    if events_path is not None and not prefix_cache:
+        raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
+    needs_text = any(getattr(e, "prompt", None) is not None for e in entries)
+    tokenizer = load_tokenizer(out) if needs_text else None
+    pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+    cache = None
+    if prefix_cache:
+        cache = PrefixCache(block_size or pipeline.lengths.chunk or 1, max_blocks, max_bytes,
+                            event_buffer_size=1 << 20 if events_path is not None else 0, policy=policy)
+    served = CachedPipeline(pipeline, cache)
+    events: list[dict] = []
+
+    def drain(result):
+        if cache is not None and events_path is not None:
+            events.extend(e.to_dict() for e in cache.get_latest_events())
+
+    results = replay(served, entries, (lambda t: tokenizer.encode(t).ids) if tokenizer else None, str(path), drain)
+    if events_path is not None:
+        from kvc.ir.writer import write_bytes_atomic
+
+        write_bytes_atomic(events_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in events).encode())
+    summary = {"blocks": cache.keys(), **cache.stats.to_dict()} if cache is not None else None
+    if as_json:
+        echo_json({"backend": backend, "requests": results, "cache": summary})
+        return
+    click.echo(table(["id", "session", "prompt", "cached", "new", "TTFT ms", "TPOT ms"],
+                     [(r["id"], r["session"] or "-", r["prompt_tokens"], r["cached_tokens"], len(r["tokens"]),
+                       f"{r['ttft_ms']:.1f}", "-" if r["tpot_ms"] is None else f"{r['tpot_ms']:.2f}")
+                      for r in results]))
+    if summary is not None:
+        click.echo(f"prefix cache: {len(summary['blocks'])} blocks, hit rate {summary['hit_rate']:.1%} "
+                   f"({summary['hit_tokens']} of {summary['prompt_tokens']} prompt tokens), "
+                   f"{summary['evicted_blocks']} evicted")
 
 
 def metrics_line(m: dict, backend: str) -> str:

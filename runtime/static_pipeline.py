@@ -44,6 +44,8 @@ class StaticGeneration(Generation):
     prefill_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)  # wall time of each generate step
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
+    cached_tokens: int = 0  # prompt tokens whose KV rows were restored, not computed (prefix cache, chat session)
+    kv_rows: int = 0  # cache rows valid after the call: the prompt, then every generated token but the last
 
     def metrics(self, load_seconds: float | None = None) -> dict:
         """What openvino.genai's PerfMetrics report, in milliseconds: TTFT (the prefill, which
@@ -60,6 +62,7 @@ class StaticGeneration(Generation):
             "throughput_tokens_per_s": 1e3 / tpot["mean"] if tpot and tpot["mean"] > 0 else None,
             "generate_ms": (self.prefill_seconds + float(np.sum(self.step_seconds))) * 1e3,
             "new_tokens": len(self.tokens),
+            "cached_tokens": self.cached_tokens,
             "variants": sorted(set(self.variants)),
         }
 
@@ -108,6 +111,15 @@ class StaticPipeline:
         n = rows.shape[spec.seq_axis]
         self.buffers[spec.input][self._rows(spec, at, at + n)] = rows
 
+    def copy_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """A copy of cache rows `[start:stop]` of every KV tensor, by input name."""
+        return {spec.input: self.buffers[spec.input][self._rows(spec, start, stop)].copy() for spec in self.kv}
+
+    def restore_rows(self, rows: dict[str, np.ndarray], at: int) -> None:
+        """Write rows (as `copy_rows` gave them) into the cache from row `at` on."""
+        for spec in self.kv:
+            self._store(spec, rows[spec.input], at)
+
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
     def _feed(session: Session, ids, mask, positions) -> dict:
@@ -116,8 +128,9 @@ class StaticPipeline:
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
 
-    def _prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Fill the cache with the prompt; return the last position's logits and the prompt's."""
+    def _prefill(self, prompt: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+        """Fill the cache with the prompt from `start` on (rows before it are in place); return
+        the last position's logits and the computed positions' logits."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if not C:
             ids = np.full((1, P), self.pad_token, np.int64)
@@ -131,9 +144,9 @@ class StaticPipeline:
                 self._store(spec, out[spec.output], 0, slice(P - n, P))
             logits = out["logits"][0]
             return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
-        stored, rows = 0, []
-        for start in range(0, n, C):
-            chunk = prompt[start:start + C]
+        stored, rows = start, []
+        for begin in range(start, n, C):
+            chunk = prompt[begin:begin + C]
             k = len(chunk)
             ids = np.full((1, C), self.pad_token, np.int64)
             ids[0, C - k:] = chunk
@@ -173,36 +186,49 @@ class StaticPipeline:
                 f"generate variant holds {L.capacity} positions (P {L.prompt} + R {L.response}), "
                 f"so at most {limit} tokens can follow this prompt")
 
-    def _decode_step(self, variant: int, token: int, stored: int) -> np.ndarray:
+    def _decode_step(self, variant: int, token: int, stored: int) -> tuple[np.ndarray, bool]:
         """One generate step on `variant` with `stored` rows in the cache; stores the new rows
-        and returns the step's last logits."""
+        and returns the step's last logits and whether the rows were stored."""
         G = self.lengths.tokens
         session = self.generate_sessions[variant]
         mask = np.zeros((1, variant), np.int64)
         mask[0, :stored] = 1
         mask[0, variant - G:] = 1
         out = session.infer(self._feed(session, np.array([[token]], np.int64), mask, np.array([[stored]], np.int64)))
-        if stored + G <= self.lengths.capacity - G:  # the last step's row is never read again
+        kept = stored + G <= self.lengths.capacity - G  # the last step's row is never read again
+        if kept:
             for spec in self.kv:
                 self._store(spec, out[spec.output], stored)
-        return out["logits"][0, -1]
+        return out["logits"][0, -1], kept
 
-    def generate(self, prompt, new_tokens: int) -> StaticGeneration:
+    def generate(self, prompt, new_tokens: int, *, reuse: int = 0) -> StaticGeneration:
         """Greedy decoding: prefill, then one generate step per token on the smallest variant
-        that holds the prompt and R (moving up a variant when its past is full)."""
+        that holds the prompt and R (moving up a variant when its past is full).
+
+        `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
+        prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
+        in chunks from there. It needs a chunked prefill and at least one token to compute."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
             raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
         n, L = len(prompt), self.lengths
         self._check_fits(prompt, new_tokens)
-        for buf in self.buffers.values():  # in place: sessions hold views of these buffers
-            buf[...] = 0
-        gen = StaticGeneration(prompt=[int(t) for t in prompt])
+        if reuse and not 0 < reuse < n:
+            raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
+                             f"the last prompt token must be computed")
+        if reuse and not L.chunk:
+            raise UsageError("reusing KV rows needs a chunked prefill (compile with --prefill-chunk-size)")
+        for spec in self.kv:  # in place: sessions hold views of these buffers
+            self.buffers[spec.input][self._rows(spec, reuse, spec.shape[spec.seq_axis])] = 0
+        gen = StaticGeneration(prompt=[int(t) for t in prompt], cached_tokens=reuse)
         started = time.perf_counter()
-        last, gen.prompt_logits = self._prefill(prompt)
+        last, gen.prompt_logits = self._prefill(prompt, reuse)
         gen.prefill_seconds = time.perf_counter() - started
+        if reuse:
+            gen.prompt_logits = None  # the restored positions' logits were not computed
         gen.first_logits = gen.prompt_logits
+        gen.kv_rows = n
         sizes = sorted(self.generate_sessions)
         variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
         stored = n
@@ -215,7 +241,8 @@ class StaticPipeline:
             if stored > variant - L.tokens:  # this variant's past is full: move up, nothing to copy
                 variant = next(s for s in sizes if s - L.tokens >= stored)
             started = time.perf_counter()
-            last = self._decode_step(variant, token, stored)
+            last, kept = self._decode_step(variant, token, stored)
             stored += L.tokens
+            gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)

@@ -1,0 +1,300 @@
+"""Prefix caching over a static pipeline's KV buffers, with priority retention.
+
+The rules (NPUW_LLM_ENABLE_PREFIX_CACHING for the blocks, REFERENCE.md §4; TensorRT-LLM's
+KvCacheRetentionConfig for priorities, ../shared/seeds/002 and TensorRT-LLM's
+docs/source/features/kvcache.md):
+
+* A sequence is cut into blocks of `block_size` tokens from its start; only full blocks are
+  cached. A block's key is ``sha256(parent key || its tokens as int64)``, chained from the
+  first block, so equal keys mean equal sequences from position 0 (a cryptographic hash, as
+  TensorRT-LLM requires of its block keys). A block holds the KV rows of its tokens, copied
+  out of the pipeline's buffers.
+* A lookup walks the chain from the first block and stops at the first miss.
+* Capacity is a number of blocks (`max_blocks`, NPUW's MAX_NUM_BLOCKS) and optionally bytes.
+  Making room evicts one *leaf* block at a time (a block with a cached child never goes
+  before the child): the lowest priority first, then the least recently used.
+* Priorities are 0-100 (default 35, TensorRT-LLM's). A request's `Retention` gives token
+  ranges of its prompt a priority and optionally a duration, and the tokens its decode phase
+  produces another. A block takes the highest priority of its tokens (a token no range covers
+  has the default). A priority with a duration lapses to the default once the duration passes
+  without the block being used; a block that is hit or stored again is used.
+* Every stored, removed and re-prioritized block is an event (`kvc.cache.events`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvc.cache.events import EventBuffer, KVCacheEvent, StoredBlock
+from kvc.errors import UsageError
+
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+MIN_PRIORITY, MAX_PRIORITY = 0, 100
+DEFAULT_MAX_BLOCKS = 128  # NPUW_LLM_PREFIX_CACHING_MAX_NUM_BLOCKS' default
+
+
+def check_priority(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise UsageError(f"{what}: a priority is an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, found {value!r}")
+    return value
+
+
+def check_duration(value, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise UsageError(f"{what}: a duration is a number of seconds >= 0 (or none: never lapses), found {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Prompt tokens `[start, end)` (end None: to the end of the prompt) kept at `priority`
+    for `duration` seconds without use (None: never lapses)."""
+
+    start: int
+    end: int | None
+    priority: int
+    duration: float | None = None
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority, f"token range [{self.start}, {self.end})")
+        check_duration(self.duration, f"token range [{self.start}, {self.end})")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise UsageError(f"a token range starts at a token index >= 0, found {self.start!r}")
+        if self.end is not None and (isinstance(self.end, bool) or not isinstance(self.end, int)
+                                     or self.end <= self.start):
+            raise UsageError(f"token range [{self.start}, {self.end!r}): the end must be an index after the start")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long a request's blocks should stay: ranges of its prompt, and its decode phase."""
+
+    ranges: tuple[TokenRange, ...] = ()
+    decode_priority: int | None = None
+    decode_duration: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_priority is not None:
+            check_priority(self.decode_priority, "decode priority")
+        check_duration(self.decode_duration, "decode duration")
+
+    def check(self, prompt_len: int) -> None:
+        """Refuse ranges that fall outside a prompt of `prompt_len` tokens."""
+        for r in self.ranges:
+            if r.start >= prompt_len or (r.end is not None and r.end > prompt_len):
+                raise UsageError(f"token range [{r.start}, {r.end}) is outside the {prompt_len}-token prompt")
+
+    def of_token(self, index: int, prompt_len: int) -> tuple[int, float | None] | None:
+        """The (priority, duration) this retention gives token `index`, None when it says nothing."""
+        if index >= prompt_len:
+            return None if self.decode_priority is None else (self.decode_priority, self.decode_duration)
+        best = None
+        for r in self.ranges:
+            if r.start <= index < (prompt_len if r.end is None else r.end):
+                if best is None or r.priority > best[0]:
+                    best = (r.priority, r.duration)
+        return best
+
+
+@dataclass
+class Block:
+    key: str
+    parent: str | None
+    tokens: tuple[int, ...]
+    rows: dict[str, np.ndarray]
+    nbytes: int
+    priority: int
+    duration: float | None
+    last_used: float
+    children: int = 0
+
+    def effective_priority(self, now: float) -> int:
+        lapsed = self.duration is not None and now - self.last_used > self.duration
+        return DEFAULT_PRIORITY if lapsed else self.priority
+
+
+def block_key(parent: str | None, tokens: Iterable[int]) -> str:
+    digest = hashlib.sha256(bytes.fromhex(parent) if parent else b"")
+    digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0
+    prompt_tokens: int = 0  # tokens of the prompts looked up
+    hit_tokens: int = 0  # of them, restored from the cache
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
+                "hit_rate": self.hit_rate, "stored_blocks": self.stored_blocks,
+                "evicted_blocks": self.evicted_blocks}
+
+
+@dataclass
+class PrefixCache:
+    """Blocks of KV rows keyed by chained token hashes (see the module docstring)."""
+
+    block_size: int
+    max_blocks: int = DEFAULT_MAX_BLOCKS
+    max_bytes: int | None = None
+    event_buffer_size: int = 0
+    clock: Callable[[], float] = time.monotonic
+    policy: str = "priority"  # "lru": priorities ignored (the baseline retention is measured against)
+    blocks: dict[str, Block] = field(default_factory=dict, init=False)
+    stats: CacheStats = field(default_factory=CacheStats, init=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise UsageError(f"the prefix-caching block size must be >= 1, got {self.block_size}")
+        if self.max_blocks < 1:
+            raise UsageError(f"the prefix cache must hold at least 1 block, got {self.max_blocks}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise UsageError(f"the prefix cache's byte capacity must be >= 1, got {self.max_bytes}")
+        if self.policy not in ("priority", "lru"):
+            raise UsageError(f"unknown retention policy {self.policy!r}: priority or lru")
+        self.events = EventBuffer(self.event_buffer_size)
+        self.bytes_used = 0
+
+    # -- lookups ---------------------------------------------------------------------------
+    def lookup(self, tokens, limit: int) -> list[Block]:
+        """The cached blocks that begin `tokens`, in order, covering at most `limit` tokens."""
+        found, parent, B = [], None, self.block_size
+        for start in range(0, limit - B + 1, B):
+            key = block_key(parent, tokens[start:start + B])
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+            parent = key
+        return found
+
+    def record_lookup(self, prompt_len: int, hit: int) -> None:
+        self.stats.requests += 1
+        self.stats.prompt_tokens += prompt_len
+        self.stats.hit_tokens += hit
+
+    # -- stores ----------------------------------------------------------------------------
+    def store(self, tokens, count: int, rows_of: Callable[[int, int], dict[str, np.ndarray]],
+              retention: Retention | None = None, prompt_len: int | None = None) -> int:
+        """Cache the full blocks of `tokens[:count]` (whose KV rows `rows_of(start, stop)`
+        copies); blocks already cached are used (and re-prioritized when `retention` says
+        so). Returns the number of blocks added; it stops at the first block that finds no
+        room. `prompt_len` tells prompt tokens from decoded ones (default: all are prompt)."""
+        B, now, parent, added = self.block_size, self.clock(), None, 0
+        prompt_len = count if prompt_len is None else prompt_len
+        chain: set[str] = set()
+        stored: list[StoredBlock] = []
+        stored_parent = None
+        for start in range(0, count - B + 1, B):
+            span = tuple(int(t) for t in tokens[start:start + B])
+            key = block_key(parent, span)
+            priority, duration, explicit = self._priority(start, retention, prompt_len)
+            block = self.blocks.get(key)
+            if block is not None:
+                self._flush_stored(stored_parent, stored)
+                stored, stored_parent = [], key
+                self._use(block, now, (priority, duration) if explicit else None)
+            else:
+                rows = rows_of(start, start + B)
+                nbytes = sum(a.nbytes for a in rows.values())
+                if not self._make_room(nbytes, chain | {parent} if parent else chain):
+                    break
+                block = Block(key, parent, span, rows, nbytes, priority, duration, now)
+                self.blocks[key] = block
+                self.bytes_used += nbytes
+                if parent is not None:
+                    self.blocks[parent].children += 1
+                stored.append(StoredBlock(key, span, priority))
+                self.stats.stored_blocks += 1
+                added += 1
+            chain.add(key)
+            parent = key
+        self._flush_stored(stored_parent, stored)
+        return added
+
+    def use(self, blocks: list[Block], retention: Retention | None = None, prompt_len: int | None = None) -> None:
+        """Mark restored blocks used now (their priority clocks restart); with a retention
+        that gives them a priority, take it."""
+        now = self.clock()
+        for i, block in enumerate(blocks):
+            priority, duration, explicit = self._priority(i * self.block_size, retention,
+                                                          prompt_len if prompt_len is not None else 1 << 62)
+            self._use(block, now, (priority, duration) if explicit else None)
+
+    def _use(self, block: Block, now: float, set_priority: tuple[int, float | None] | None) -> None:
+        block.last_used = now
+        if set_priority is not None and (block.priority, block.duration) != set_priority:
+            block.priority, block.duration = set_priority
+            self.events.emit("updated", block_hashes=(block.key,), priority=block.priority)
+
+    def _flush_stored(self, parent: str | None, stored: list[StoredBlock]) -> None:
+        if stored:
+            self.events.emit("stored", parent_hash=parent, blocks=tuple(stored))
+
+    def _priority(self, start: int, retention: Retention | None, prompt_len: int) -> tuple[int, float | None, bool]:
+        """(priority, duration, whether the retention set it) of the block starting at `start`."""
+        best = None
+        if retention is not None:
+            for i in range(start, start + self.block_size):
+                got = retention.of_token(i, prompt_len)
+                if got is not None and (best is None or got[0] > best[0]):
+                    best = got
+        if best is None:
+            return DEFAULT_PRIORITY, None, False
+        return best[0], best[1], True
+
+    # -- eviction --------------------------------------------------------------------------
+    def _make_room(self, nbytes: int, protected: set[str]) -> bool:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            return False
+        while (len(self.blocks) + 1 > self.max_blocks
+               or (self.max_bytes is not None and self.bytes_used + nbytes > self.max_bytes)):
+            victim = self._victim(protected)
+            if victim is None:
+                return False
+            self._remove(victim)
+        return True
+
+    def _victim(self, protected: set[str]) -> Block | None:
+        now, best, best_rank = self.clock(), None, None
+        for block in self.blocks.values():
+            if block.children or block.key in protected:
+                continue
+            rank = (block.effective_priority(now) if self.policy == "priority" else 0, block.last_used)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = block, rank
+        return best
+
+    def _remove(self, block: Block) -> None:
+        del self.blocks[block.key]
+        self.bytes_used -= block.nbytes
+        if block.parent is not None and block.parent in self.blocks:
+            self.blocks[block.parent].children -= 1
+        self.stats.evicted_blocks += 1
+        self.events.emit("removed", block_hashes=(block.key,))
+
+    def clear(self) -> None:
+        """Evict every block (leaves first, so each removal event names a leaf)."""
+        while self.blocks:
+            self._remove(next(b for b in self.blocks.values() if not b.children))
+
+    # -- views -----------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self.blocks)
+
+    def get_latest_events(self, timeout: float | None = 0.0) -> list[KVCacheEvent]:
+        return self.events.get_latest_events(timeout)

@@ -1,0 +1,166 @@
+"""CachedPipeline: a StaticPipeline that remembers KV across requests.
+
+    pipe = CachedPipeline(open_compiled(OUT, "openvino"), PrefixCache(block_size=64))
+    pipe.generate(prompt, 32)                        # restores cached leading blocks
+    pipe.start_chat("s"); pipe.generate(history, 32, session="s"); pipe.finish_chat("s")
+
+Rules:
+
+* The KV rows a request restores are exactly rows the pipeline computed before for the same
+  tokens from position 0, so the prefill computes only the rest, in chunks starting where the
+  restored rows end (`StaticPipeline.generate(reuse=...)`). At least the last prompt token is
+  always computed: its logits choose the first new token. Restoring needs a chunked prefill
+  (as NPUW's prefix caching does); a prefix cache over an unchunked pipeline is refused.
+* Prefix cache: the leading blocks of the prompt that are cached. After the request, every
+  full block of prompt + generated tokens whose rows were computed is stored.
+* Chat session (openvino.genai's start_chat/finish_chat; seed 000's aligning of the KV cache
+  with the history): the session keeps the rows of its last sequence (prompt and generated
+  tokens). A turn gives the whole history; the rows of its longest common prefix with the
+  stored sequence are restored, so an edited earlier turn rolls the cache back to where it
+  diverges. A session over an unchunked prefill restores nothing (each turn prefills all of
+  it) and says so by `cached_tokens` 0. A history longer than the prefill takes is an error
+  that quotes the numbers; nothing is truncated.
+* When both could serve, the longer of the session's prefix and the cache's blocks is used.
+* Everything a request could be refused for is checked before the cache or a session changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvc.cache.prefix import PrefixCache, Retention
+from kvc.errors import UsageError
+from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline
+
+
+@dataclass
+class ChatSession:
+    name: str
+    tokens: list[int] = field(default_factory=list)  # the sequence whose KV rows are kept
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+class CachedPipeline:
+    """A StaticPipeline with a prefix cache (optional) and chat sessions."""
+
+    def __init__(self, pipeline: StaticPipeline, cache: PrefixCache | None = None):
+        chunk = pipeline.lengths.chunk
+        if cache is not None:
+            if not chunk:
+                raise UsageError("prefix caching needs a chunked prefill (as NPUW's does): compile with "
+                                 "--prefill-chunk-size (a power of two)")
+            if cache.block_size % chunk:
+                raise UsageError(f"the prefix-caching block size {cache.block_size} must be a multiple of the "
+                                 f"prefill chunk size {chunk}")
+        self.pipeline, self.cache = pipeline, cache
+        self.sessions: dict[str, ChatSession] = {}
+
+    # -- chat sessions ---------------------------------------------------------------------
+    def start_chat(self, name: str) -> None:
+        if name in self.sessions:
+            raise UsageError(f"chat session {name!r} is already open")
+        self.sessions[name] = ChatSession(name)
+
+    def finish_chat(self, name: str) -> None:
+        """Close a session and free its KV rows."""
+        if name not in self.sessions:
+            raise UsageError(f"no chat session {name!r} is open")
+        del self.sessions[name]
+
+    # -- requests --------------------------------------------------------------------------
+    def generate(self, prompt, new_tokens: int, *, retention: Retention | None = None,
+                 session: str | None = None) -> StaticGeneration:
+        pipe = self.pipeline
+        try:
+            prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        except (OverflowError, ValueError, TypeError):
+            raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
+        chat = None
+        if session is not None:
+            chat = self.sessions.get(session)
+            if chat is None:
+                raise UsageError(f"no chat session {session!r} is open (start_chat first)")
+        n = len(prompt)
+        try:
+            pipe._check_fits(prompt, new_tokens)
+        except PromptTooLongError as exc:
+            if chat is None:
+                raise
+            raise PromptTooLongError(f"chat session {session!r}: the history of {n} tokens no longer fits the "
+                                     f"prefill ({exc}); finish the session or start a new one") from None
+        if retention is not None:
+            retention.check(n)
+        limit = n - 1 if pipe.lengths.chunk else 0  # the last prompt token is always computed
+        blocks = self.cache.lookup(prompt, limit) if self.cache is not None else []
+        hit = len(blocks) * (self.cache.block_size if self.cache else 0)
+        lcp = min(common_prefix(chat.tokens, prompt), limit) if chat is not None else 0
+        if self.cache is not None:
+            self.cache.record_lookup(n, hit)
+        reuse = 0
+        if chat is not None and lcp > 0 and lcp >= hit:
+            pipe.restore_rows({spec.input: _take(chat.rows[spec.input], spec, lcp) for spec in pipe.kv}, 0)
+            reuse = lcp
+        elif hit:
+            for i, block in enumerate(blocks):
+                pipe.restore_rows(block.rows, i * self.cache.block_size)
+            self.cache.use(blocks, retention, n)
+            reuse = hit
+        gen = pipe.generate(prompt, new_tokens, reuse=reuse)
+        sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
+        if self.cache is not None:
+            self.cache.store(sequence, gen.kv_rows, pipe.copy_rows, retention, n)
+        if chat is not None:
+            chat.tokens = [int(t) for t in sequence]
+            chat.rows = pipe.copy_rows(0, gen.kv_rows)
+        return gen
+
+
+def _take(rows: np.ndarray, spec, count: int) -> np.ndarray:
+    index = [slice(None)] * rows.ndim
+    index[spec.seq_axis] = slice(0, count)
+    return rows[tuple(index)]
+
+
+def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>", on_result=None) -> list[dict]:
+    """Run a parsed workload (`kvc.cache.requests`) in order: a request with a session opens
+    it on its first turn, `finish_session` closes it. One dict per request: its tokens, how
+    many prompt tokens were restored, TTFT and per-token latency (ms). `encode` tokenizes
+    text prompts. A request that cannot run is an error naming its line; the requests before
+    it have run and the cache stays consistent."""
+    from kvc.cache.requests import FinishSession
+
+    results = []
+    for entry in entries:
+        try:
+            if isinstance(entry, FinishSession):
+                pipe.finish_chat(entry.session)
+                continue
+            ids = entry.prompt_ids
+            if ids is None:
+                if encode is None:
+                    raise UsageError("a text prompt needs the model's tokenizer")
+                ids = encode(entry.prompt)
+            if entry.session is not None and entry.session not in pipe.sessions:
+                pipe.start_chat(entry.session)
+            gen = pipe.generate(ids, entry.max_new_tokens, retention=entry.retention, session=entry.session)
+        except UsageError as exc:
+            what = f"request {entry.id!r}" if not isinstance(entry, FinishSession) else "finish_session"
+            raise type(exc)(f"{source}:{entry.line}: {what}: {exc}") from None
+        m = gen.metrics()
+        result = {"id": entry.id, "line": entry.line, "session": entry.session, "prompt_tokens": len(ids),
+                  "cached_tokens": gen.cached_tokens, "tokens": gen.tokens, "ttft_ms": m["ttft_ms"],
+                  "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"]}
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results

@@ -1,0 +1,124 @@
+"""Prefix caching and chat sessions give the tokens the pipeline gives without them.
+
+Every fixture, on every backend (kvc's numpy interpreter, OpenVINO CPU, the NPU plugin on its
+CPU backend), replays one workload with a three-block cache: the hits it must produce are a
+hit after part of a chain was evicted, a hit that ends exactly at a chunk boundary, and a hit
+on a whole cached prompt (which restores all but the last block: the last token is computed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kvc.cache.prefix import PrefixCache
+from kvc.cache.serving import CachedPipeline
+from kvc.errors import UsageError
+from kvc.runtime.static_pipeline import PromptTooLongError
+from tests.conftest import fixture_names
+from tests.runtime.test_static_pipeline import C, pipeline
+
+NEW = 3
+
+
+@functools.cache
+def workload():
+    rng = np.random.default_rng(15)
+    a = list(rng.integers(1, 384, 3 * C))  # three blocks
+    b = list(rng.integers(1, 384, 2 * C + 8))  # two blocks
+    return [
+        ("a: stores 3 blocks", a, 0),
+        ("b: evicts a's last two (leaves first)", b, 0),
+        ("a again: hit after eviction of part of the chain", a, C),
+        ("a[:2C] + new: hit ending at a chunk boundary", a[:2 * C] + list(rng.integers(1, 384, 5)), 2 * C),
+        ("a[:2C]: the whole prompt cached", a[:2 * C], C),
+    ]
+
+
+@functools.cache
+def plain_runs(name: str, backend: str):
+    pipe = pipeline(name, "chunked", backend)
+    return [pipe.generate(prompt, NEW) for _, prompt, _ in workload()]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "openvino", "npu"])
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
+def test_prefix_cache_gives_the_tokens_of_no_cache(name, backend):
+    """The restored blocks were computed by the same chunks a run without the cache computes,
+    so the logits are not merely close: they are the same numbers."""
+    expected = plain_runs(name, backend)
+    cache = PrefixCache(block_size=C, max_blocks=3)
+    served = CachedPipeline(pipeline(name, "chunked", backend), cache)
+    for (what, prompt, hit), plain in zip(workload(), expected):
+        got = served.generate(prompt, NEW)
+        assert got.cached_tokens == hit, f"{what}: restored {got.cached_tokens} tokens, expected {hit}"
+        assert got.tokens == plain.tokens, f"{what}: {got.tokens} with the cache, {plain.tokens} without"
+        for step, (ours, theirs) in enumerate(zip(got.logits, plain.logits)):
+            assert np.array_equal(ours, theirs), f"{what}: step {step} logits differ by {np.abs(ours - theirs).max()}"
+    assert len(cache.blocks) == 3 and cache.stats.evicted_blocks > 0
+
+
+@pytest.mark.parametrize("backend", ["openvino"])
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
+def test_chat_session_gives_the_tokens_of_a_whole_prefill(name, backend):
+    """Turns prefill only what follows the stored history; an edited earlier turn rolls the
+    cache back to where it diverges. Each turn's tokens equal a fresh prefill of the history."""
+    pipe = pipeline(name, "chunked", backend)
+    served = CachedPipeline(pipe)
+    rng = np.random.default_rng(2)
+    served.start_chat("s")
+    history = list(rng.integers(1, 384, 7))
+    for turn in range(3):
+        got = served.generate(history, NEW, session="s")
+        assert got.tokens == pipe.generate(history, NEW).tokens, f"turn {turn}"
+        assert got.cached_tokens == (0 if turn == 0 else previous)
+        previous = len(history) + NEW - 1  # the history and every generated token but the last
+        history = history + got.tokens + list(rng.integers(1, 384, 6))
+    edited = history[:4] + [history[4] % 383 + 1] + history[5:]  # an earlier turn changed
+    got = served.generate(edited, NEW, session="s")
+    assert got.cached_tokens == 4 and got.tokens == pipe.generate(edited, NEW).tokens
+    served.finish_chat("s")
+    with pytest.raises(UsageError, match="no chat session 's'"):
+        served.generate(history, NEW, session="s")
+
+
+def test_chat_session_on_numpy_and_npu():
+    for backend in ("numpy", "npu"):
+        pipe = pipeline("llama", "chunked", backend)
+        served = CachedPipeline(pipe)
+        served.start_chat("s")
+        first = list(range(3, 20))
+        got = served.generate(first, NEW, session="s")
+        second = first + got.tokens + [5, 6, 7]
+        again = served.generate(second, NEW, session="s")
+        assert again.cached_tokens == len(first) + NEW - 1
+        assert again.tokens == pipe.generate(second, NEW).tokens, backend
+
+
+def test_a_session_that_outgrows_the_prefill_is_an_error_with_the_numbers():
+    served = CachedPipeline(pipeline("llama", "chunked", "openvino"))
+    served.start_chat("long")
+    with pytest.raises(PromptTooLongError, match=r"chat session 'long': the history of 65 tokens .*at most 64"):
+        served.generate(list(range(1, 66)), NEW, session="long")
+    with pytest.raises(UsageError, match="already open"):
+        served.start_chat("long")
+    with pytest.raises(UsageError, match="no chat session 'other'"):
+        served.finish_chat("other")
+
+
+def test_prefix_caching_refuses_an_unchunked_prefill_and_odd_blocks():
+    with pytest.raises(UsageError, match="needs a chunked prefill"):
+        CachedPipeline(pipeline("llama", "whole", "numpy"), PrefixCache(block_size=16))
+    with pytest.raises(UsageError, match="block size 24 must be a multiple of the prefill chunk size 16"):
+        CachedPipeline(pipeline("llama", "chunked", "numpy"), PrefixCache(block_size=24))
+
+
+def test_larger_blocks_than_the_chunk_restore_whole_blocks():
+    pipe = pipeline("llama", "chunked", "openvino")
+    served = CachedPipeline(pipe, PrefixCache(block_size=2 * C))
+    prompt = list(range(1, 3 * C + 3))
+    served.generate(prompt, NEW)
+    got = served.generate(prompt[:3 * C] + [9], NEW)
+    assert got.cached_tokens == 2 * C and got.tokens == pipe.generate(prompt[:3 * C] + [9], NEW).tokens
