@@ -11,6 +11,10 @@ Targets, each mutated from a known-good input and run through the kvc command th
                 byte flips. `kvc run OUT --prompt-ids ...` (blobs on CPU).
     files       a byte of one of a compiled directory's files flipped, truncated or extended.
                 `kvc run OUT --check`: sha256 against the manifest must refuse every change.
+    requests    a workload for `kvc run OUT --requests FILE --prefix-cache --events EV` (a
+                directory compiled with a chunked prefill): a JSON value of one line deleted,
+                retyped or set to an edge value, lines deleted/duplicated/swapped, or raw byte
+                flips. A refused workload must leave no events file behind.
 
 Every execution is classified as the corpus does (corpus.py): **clean** (exit 0, or a
 documented code 2-7 with a `kvc: error:` message and no traceback), **crash** (exit 1, a
@@ -50,7 +54,16 @@ SMALL = ["--max-prompt-len", "64", "--min-response-len", "64"]
 PROMPT = ["--prompt-ids", "5,17,101,9", "--max-new-tokens", "3", "--json"]
 TIMEOUT = 60.0
 DOCUMENTED = {0, 2, 3, 4, 5, 6, 7}
-TARGETS = ("ir-xml", "manifest", "files")
+TARGETS = ("ir-xml", "manifest", "files", "requests")
+CHUNKED = [*SMALL, "--prefill-chunk-size", "16"]
+REQUESTS = "\n".join(json.dumps(r) for r in [
+    {"id": "sys", "prompt_ids": list(range(1, 35)), "max_new_tokens": 3,
+     "retention": [{"start": 0, "end": 32, "priority": 100, "duration_ms": 1000}], "decode_priority": 10},
+    {"id": "user", "prompt_ids": list(range(1, 33)) + [50, 51], "max_new_tokens": 2},
+    {"id": "t1", "prompt_ids": [7, 8, 9], "max_new_tokens": 2, "session": "chat"},
+    {"id": "t2", "prompt_ids": [7, 8, 9, 4, 5], "max_new_tokens": 2, "session": "chat"},
+    {"finish_session": "chat"},
+]) + "\n"
 BAD = ("crash", "hang", "partial", "accepted-wrong")
 
 EDGE_INTS = ["0", "-1", "1", "2147483647", "2147483648", "4294967296", "9223372036854775807",
@@ -182,9 +195,35 @@ def mutate_manifest(rng: random.Random, text: str) -> tuple[bytes, list[str]]:
         data, what = _bytes(rng, text.encode())
         return data, [what]
     doc = json.loads(text)
+    done = _mutate_json(rng, doc)
+    return json.dumps(doc, indent=1).encode(), done
+
+
+def mutate_requests(rng: random.Random, text: str) -> tuple[bytes, list[str]]:
+    """One line's JSON mutated (most often), lines moved, or raw bytes."""
+    roll = rng.random()
+    if roll < 0.15:
+        data, what = _bytes(rng, text.encode())
+        return data, [what]
+    if roll < 0.3:
+        text, what = _lines(rng, text)
+        return text.encode(), [what]
+    lines = text.rstrip("\n").split("\n")
+    i = rng.randrange(len(lines))
+    doc = json.loads(lines[i])
+    done = [f"line {i + 1}: {d}" for d in _mutate_json(rng, doc)]
+    lines[i] = json.dumps(doc)
+    return ("\n".join(lines) + "\n").encode(), done
+
+
+def _mutate_json(rng: random.Random, doc) -> list[str]:
+    """One or two values of `doc` (in place) deleted, set to an edge value or tweaked."""
     done = []
     for _ in range(rng.choice([1, 1, 2])):
-        path = rng.choice([p for p in _json_paths(doc) if p])
+        paths = [p for p in _json_paths(doc) if p]
+        if not paths:
+            break
+        path = rng.choice(paths)
         parent = doc
         for k in path[:-1]:
             parent = parent[k]
@@ -203,7 +242,7 @@ def mutate_manifest(rng: random.Random, text: str) -> tuple[bytes, list[str]]:
             new = rng.choice(JSON_EDGES)
         parent[key] = new
         done.append(f"{'/'.join(map(str, path))}: {str(old)[:40]!r} -> {str(new)[:40]!r}")
-    return json.dumps(doc, indent=1).encode(), done
+    return done
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,6 +404,16 @@ def good_directory(work: Path, server: ForkServer | None = None) -> tuple[Path, 
     return good, _tokens(out)
 
 
+def chunked_directory(work: Path, server: ForkServer) -> Path:
+    """A compiled llama directory with a chunked prefill (the prefix cache needs one)."""
+    out = work / "good-chunked"
+    if not (out / "manifest.json").is_file():
+        code, log, _ = server.run(["compile", str(FIXTURE), "-o", str(out), *CHUNKED], work, timeout=300)
+        if code != 0:
+            raise RuntimeError(f"compiling the chunked directory failed: {log[-2000:]}")
+    return out
+
+
 def _tokens(output: str) -> list[int] | None:
     m = re.search(r"^\{.*\}\s*$", output, re.M | re.S)
     try:
@@ -407,6 +456,7 @@ def _fuzz(budget, seed, work, targets, findings, echo, good, server) -> FuzzRepo
     xml = (FIXTURE / "openvino_model.xml").read_text()
     manifest = (good / "manifest.json").read_text()
     files = sorted(p.name for p in good.iterdir() if p.is_file() and p.name != "manifest.json")
+    chunked = chunked_directory(work, server) if "requests" in targets else None
     report = FuzzReport(seed, budget)
     for i in range(budget):
         target = targets[i % len(targets)]
@@ -426,6 +476,12 @@ def _fuzz(budget, seed, work, targets, findings, echo, good, server) -> FuzzRepo
             shutil.copytree(good, out)
             (out / "manifest.json").write_bytes(data)
             argv = ["run", str(out), *PROMPT]
+        elif target == "requests":
+            data, what = mutate_requests(rng, REQUESTS)
+            (d / "requests.jsonl").write_bytes(data)
+            out = d / "events.jsonl"
+            argv = ["run", str(chunked), "--requests", str(d / "requests.jsonl"), "--prefix-cache", "--events",
+                    str(out), "--json"]
         else:
             out = d / "compiled"
             shutil.copytree(good, out)
@@ -437,8 +493,8 @@ def _fuzz(budget, seed, work, targets, findings, echo, good, server) -> FuzzRepo
             argv = ["run", str(out), "--check", *PROMPT]
         e = Execution(target, i, what, argv)
         code, output, e.seconds = server.run(argv, d)
-        compiled = argv[0] == "compile"
-        classify(e, code, output, _leftovers(out) if compiled and code not in (0, None) else [])
+        leaves = argv[0] == "compile" or target == "requests"
+        classify(e, code, output, _leftovers(out) if leaves and code not in (0, None) else [])
         if e.verdict == "clean" and code == 0:
             if target == "manifest" and _tokens(output) != good_tokens:
                 e.verdict, e.detail = "accepted-wrong", f"tokens {_tokens(output)} != {good_tokens}"
@@ -463,7 +519,8 @@ def report_lines(r: FuzzReport) -> list[str]:
     lines = ["## Fuzzing", "",
              f"`tests/hostile/fuzz.py`: {r.budget} executions from seed {r.seed} ({r.seconds:.0f} s); "
              "mutations of the llama IR's XML (`inspect`, `compile --no-verify`), of a compiled "
-             "directory's manifest (`run`) and of its files (`run --check`).", "",
+             "directory's manifest (`run`), of its files (`run --check`) and of a workload "
+             "(`run --requests --prefix-cache --events`).", "",
              "| target | executions | clean | " + " | ".join(BAD) + " |",
              "|---|---:|---:|" + "---:|" * len(BAD)]
     for t, c in counts.items():

@@ -1,0 +1,103 @@
+"""`kvc run OUT --requests FILE.jsonl`: a workload replayed with a prefix cache, chat sessions
+and the KV event stream; bad workloads are refused by line, before anything runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvc.cache.requests import parse_requests
+from kvc.errors import UsageError
+from tests.cli.runner import kvc
+
+SYSTEM = list(range(1, 33))  # two blocks of the chunk (16)
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("requests") / "out"
+    kvc("compile", "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "16",
+        "-o", out)
+    return out
+
+
+def workload(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_replay_reports_requests_cache_and_events(chunked, tmp_path):
+    lines = [
+        "# a shared system prompt, a one-off turn, a chat",
+        {"id": "a", "prompt_ids": SYSTEM + [40, 41], "max_new_tokens": 3,
+         "retention": [{"start": 0, "end": 32, "priority": 100, "duration_ms": 60000}]},
+        {"id": "b", "prompt_ids": SYSTEM + [50, 51, 52], "max_new_tokens": 3, "decode_priority": 0},
+        {"id": "c1", "prompt_ids": [7, 7, 7, 7, 7], "max_new_tokens": 3, "session": "s"},
+        {"id": "c2", "prompt_ids": [7, 7, 7, 7, 7, 1, 2, 3], "max_new_tokens": 3, "session": "s"},
+        {"finish_session": "s"},
+    ]
+    events = tmp_path / "events.jsonl"
+    result = kvc("run", chunked, "--requests", workload(tmp_path / "w.jsonl", lines), "--prefix-cache",
+                 "--events", events, "--json")
+    data = json.loads(result.output)
+    requests = {r["id"]: r for r in data["requests"]}
+    assert [requests[i]["cached_tokens"] for i in ("a", "b", "c1", "c2")] == [0, 32, 0, 5]
+    assert requests["b"]["line"] == 3 and all(len(r["tokens"]) == 3 for r in requests.values())
+    plain = json.loads(kvc("run", chunked, "--prompt-ids", ",".join(map(str, SYSTEM + [50, 51, 52])),
+                           "--max-new-tokens", "3", "--json").output)
+    assert requests["b"]["tokens"] == plain["tokens"]
+    cache = data["cache"]
+    assert cache["hit_tokens"] == 32 and cache["prompt_tokens"] == 34 + 35 + 5 + 8
+    stored = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["event_id"] for e in stored] == list(range(len(stored)))
+    keys = {b["block_hash"] for e in stored if e["type"] == "stored" for b in e["blocks"]}
+    keys -= {k for e in stored if e["type"] == "removed" for k in e["block_hashes"]}
+    assert keys == set(cache["blocks"])
+    assert stored[0]["blocks"][0]["priority"] == 100 and stored[0]["blocks"][0]["tokens"] == SYSTEM[:16]
+    table = kvc("run", chunked, "--requests", tmp_path / "w.jsonl", "--prefix-cache").output
+    assert "prefix cache: " in table and "hit rate 39.0% (32 of 82 prompt tokens)" in table
+    assert table.splitlines()[0].split() == ["id", "session", "prompt", "cached", "new", "TTFT", "ms", "TPOT", "ms"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "w.jsonl:2: not JSON"),
+    ('{"prompt_ids": [1, 2], "retention": [{"start": 0, "end": 5, "priority": 10}]}',
+     r"w.jsonl:2: token range \[0, 5\) is outside the 2-token prompt"),
+    ('{"prompt_ids": [1, 2], "decode_priority": 101}', "w.jsonl:2: 'decode_priority' must be an integer from 0 to 100"),
+    ('{"prompt_ids": [1, 2], "retention": [{"priority": -3}]}', r"w.jsonl:2: retention\[0\].priority must be"),
+    ('{"prompt_ids": [1], "colour": 1}', "w.jsonl:2: unknown field 'colour'"),
+    ('{"prompt_ids": [1], "prompt": "x"}', "w.jsonl:2: give exactly one of 'prompt_ids' and 'prompt'"),
+    ('{"id": "a", "prompt_ids": [1]}', "w.jsonl:2: request id 'a' was already used on line 1"),
+    ('[1, 2]', "w.jsonl:2: expected a JSON object"),
+])
+def test_bad_workload_lines_are_named_and_nothing_runs(chunked, tmp_path, line, message):
+    path = workload(tmp_path / "w.jsonl", [{"id": "a", "prompt_ids": [1, 2, 3]}, line])
+    result = kvc("run", chunked, "--requests", path, "--json", code=2)
+    assert "TTFT" not in result.output and '"requests"' not in result.output
+    with pytest.raises(UsageError, match=message):
+        parse_requests(path.read_text(), "w.jsonl")
+
+
+def test_runtime_errors_name_the_request_and_line(chunked, tmp_path):
+    unknown = workload(tmp_path / "u.jsonl", [{"prompt_ids": [1, 2]}, {"finish_session": "nope"}])
+    assert "u.jsonl:2: finish_session: no chat session 'nope' is open" in kvc("run", chunked, "--requests", unknown,
+                                                                             code=2).output
+    long = workload(tmp_path / "l.jsonl", [{"id": "big", "prompt_ids": list(range(1, 80)), "session": "s"}])
+    out = kvc("run", chunked, "--requests", long, code=2).output
+    assert "l.jsonl:1: request 'big': chat session 's': the history of 79 tokens no longer fits" in out
+
+
+def test_prefix_cache_needs_a_chunked_prefill_and_the_options_need_requests(tmp_path):
+    out = tmp_path / "whole"
+    kvc("compile", "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "0", "-o", out)
+    path = workload(tmp_path / "w.jsonl", [{"prompt_ids": [1, 2, 3]}])
+    assert "needs a chunked prefill" in kvc("run", out, "--requests", path, "--prefix-cache", code=2).output
+    assert "--prefix-cache and --events go with --requests" in kvc("run", out, "--prompt-ids", "1", "--prefix-cache",
+                                                                   code=2).output
+    assert "leave out --prompt-ids" in kvc("run", out, "--requests", path, "--prompt-ids", "1", code=2).output
+    # sessions work without the prefix cache (each turn prefills all of it on an unchunked prefill)
+    chat = workload(tmp_path / "c.jsonl", [{"prompt_ids": [1, 2, 3], "session": "s"},
+                                           {"prompt_ids": [1, 2, 3, 4], "session": "s"}])
+    data = json.loads(kvc("run", out, "--requests", chat, "--json").output)
+    assert [r["cached_tokens"] for r in data["requests"]] == [0, 0] and data["cache"] is None
