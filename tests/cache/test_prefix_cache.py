@@ -122,3 +122,27 @@ def test_larger_blocks_than_the_chunk_restore_whole_blocks():
     served.generate(prompt, NEW)
     got = served.generate(prompt[:3 * C] + [9], NEW)
     assert got.cached_tokens == 2 * C and got.tokens == pipe.generate(prompt[:3 * C] + [9], NEW).tokens
+
+
+def test_a_refused_request_leaves_the_cache_and_sessions_as_they_were():
+    from kvc.cache.prefix import Retention, TokenRange
+
+    cache = PrefixCache(block_size=C, max_blocks=8)
+    served = CachedPipeline(pipeline("llama", "chunked", "openvino"), cache)
+    prompt = list(range(1, 2 * C + 4))
+    served.start_chat("s")
+    served.generate(prompt, NEW, session="s")
+    before = (cache.keys(), cache.stats.to_dict(), list(served.sessions["s"].tokens))
+    bad = [
+        (dict(retention=Retention((TokenRange(0, 99, 50),))), "outside the 35-token prompt"),
+        (dict(session="nope"), "no chat session 'nope'"),
+        (dict(session="s", new_tokens=10_000), "exceed the KV capacity"),
+    ]
+    for kwargs, message in bad:
+        new_tokens = kwargs.pop("new_tokens", NEW)
+        with pytest.raises(UsageError, match=message):
+            served.generate(prompt, new_tokens, **kwargs)
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        served.generate(prompt + [-5], NEW, session="s")
+    assert (cache.keys(), cache.stats.to_dict(), list(served.sessions["s"].tokens)) == before
+    assert served.generate(prompt, NEW, session="s").cached_tokens == 2 * C + 2  # the session still serves
