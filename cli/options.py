@@ -134,8 +134,9 @@ def static_options(f):
                      help="Chunked prefill size, a power of two (0: the whole prompt at once). auto: "
                           "when compiling for CPU only, 32 for f32 CPU blobs and 64 for bf16 or f16 ones, else 0 "
                           "(NPUW's default: up to 1024 at once)."),
-        click.option("--variants", default="single", show_default=True,
-                     help="Generate variants: 'single' (P+R), 'pyramid' (NPUW's 1024*2^k+R), or sizes like 256,512."),
+        click.option("--variants", default="pyramid", show_default=True,
+                     help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
+                          "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
         click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
                      help="Element type of KV inputs/outputs (the NPU plugin stores f16)."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),

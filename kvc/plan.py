@@ -33,7 +33,7 @@ class StaticOptions:
     max_prompt_len: int | None = None  # None: DEFAULT_MAX_PROMPT_LEN, lowered to fit max_positions
     min_response_len: int | None = None  # None: DEFAULT_MIN_RESPONSE_LEN
     prefill_chunk_size: int = 0
-    variants: str | tuple[int, ...] = "single"
+    variants: str | tuple[int, ...] = "pyramid"  # NPUW_LLM_GENERATE_PYRAMID's default (YES) in OpenVINO 2026.4
     kv_precision: str = "f32"
     transpose_v: bool = False
     slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
@@ -116,11 +116,19 @@ MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 
 def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None = None,
-                 chunk: int = 0, variants: str | tuple[int, ...] = "single", align: int = NPUW_ALIGN,
+                 chunk: int = 0, variants: str | tuple[int, ...] = "pyramid", align: int = NPUW_ALIGN,
                  max_positions: int | None = None) -> LengthPlan:
     """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
     aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
     explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`.
+
+    "pyramid" is NPUW_LLM_GENERATE_PYRAMID, on by default in OpenVINO 2026.4: after the
+    alignments, `for (base = 1024; base + R <= P + R; base *= 2) sizes.push_back(base + R)`,
+    then P + R when the last size is smaller (npuw/llm_compiled_model.cpp,
+    create_generate_model_variants, openvinotoolkit/openvino 007c23c3). So P 1024, R 128 has
+    one variant, 1152; P 2048: 1152 and 2176; P 4096, R 256: 1280, 2304, 4352. At run time
+    the smallest variant with T >= prompt + R serves, moving up one when its past fills
+    (npuw/llm_infer_request.cpp, select_generate_request; kvc.runtime.static_pipeline).
 
     Unset lengths (None) are NPUW's defaults, P = 1024 and R = 128, except that when neither is
     set and the model states fewer `max_positions` than P + R, P is lowered (in steps of

@@ -56,8 +56,32 @@ def test_plan_chunk_rules():
         plan_lengths(64, 64, chunk=128)
 
 
+# The NPU plugin's own sizes, from its rule (npuw/llm_compiled_model.cpp,
+# create_generate_model_variants: 1024 * 2^k + R while <= P + R, then P + R), after its
+# alignments (P and R up to 64, P up to the chunk).
+NPUW_PYRAMID = [
+    ((1024, 128, 0), (1152,)),
+    ((2048, 128, 0), (1152, 2176)),
+    ((4096, 256, 0), (1280, 2304, 4352)),
+    ((4096, 128, 0), (1152, 2176, 4224)),
+    ((3000, 128, 0), (1152, 2176, 3136)),  # P aligned up to 3008: 2048 + 128 <= 3136 < 4096 + 128
+    ((3000, 128, 1024), (1152, 2176, 3200)),  # P aligned up to the chunk: 3072
+    ((128, 64, 0), (192,)),
+    ((64, 64, 0), (128,)),
+    ((1000, 100, 0), (1152,)),  # P 1024, R 128 after alignment
+    ((1025, 128, 0), (1152, 1216)),
+]
+
+
+@pytest.mark.parametrize("asked, sizes", NPUW_PYRAMID, ids=[f"P{a[0]}-R{a[1]}-C{a[2]}" for a, _ in NPUW_PYRAMID])
+def test_pyramid_is_the_npu_plugins(asked, sizes):
+    p, r, chunk = asked
+    assert plan_lengths(p, r, chunk=chunk, variants="pyramid").sizes == sizes
+    assert plan_lengths(p, r, chunk=chunk).sizes == sizes  # the default, as NPUW_LLM_GENERATE_PYRAMID's
+
+
 def test_plan_variants():
-    assert plan_lengths(4096, 128, variants="pyramid").sizes == (1152, 2176, 4224)
+    assert plan_lengths(4096, 128, variants="single").sizes == (4224,)
     assert plan_lengths(64, 32, variants=(80,)).sizes == (80, 128)  # R 32 aligns up to 64
     assert "generate variant 128 (= P + R) added" in plan_lengths(64, 32, variants=(80,)).notes[-1]
     with pytest.raises(UsageError, match="exceeds the KV capacity P \\+ R = 64 \\+ 64 = 128"):
