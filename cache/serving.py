@@ -82,7 +82,7 @@ class CachedPipeline:
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, prompt, new_tokens: int, *, retention: Retention | None = None,
-                 session: str | None = None) -> StaticGeneration:
+                 session: str | None = None, sampling=None, on_token=None) -> StaticGeneration:
         pipe = self.pipeline
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
@@ -120,7 +120,7 @@ class CachedPipeline:
             self.cache.use(blocks, retention, n)
             reuse = hit
         restoring = time.perf_counter() - started
-        gen = pipe.generate(prompt, new_tokens, reuse=reuse)
+        gen = pipe.generate(prompt, new_tokens, reuse=reuse, sampling=sampling, on_token=on_token)
         gen.prefill_seconds += restoring
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
         if self.cache is not None:
@@ -137,7 +137,8 @@ def _take(rows: np.ndarray, spec, count: int) -> np.ndarray:
     return rows[tuple(index)]
 
 
-def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>", on_result=None) -> list[dict]:
+def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>", on_result=None,
+           sampling=None) -> list[dict]:
     """Run a parsed workload (`kvc.cache.requests`) in order: a request with a session opens
     it on its first turn, `finish_session` closes it. One dict per request: its tokens, how
     many prompt tokens were restored, TTFT and per-token latency (ms). `encode` tokenizes
@@ -158,13 +159,15 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
                 ids = encode(entry.prompt)
             if entry.session is not None and entry.session not in pipe.sessions:
                 pipe.start_chat(entry.session)
-            gen = pipe.generate(ids, entry.max_new_tokens, retention=entry.retention, session=entry.session)
+            gen = pipe.generate(ids, entry.max_new_tokens, retention=entry.retention, session=entry.session,
+                                sampling=sampling)
         except UsageError as exc:
             what = f"request {entry.id!r}" if not isinstance(entry, FinishSession) else "finish_session"
             raise type(exc)(f"{source}:{entry.line}: {what}: {exc}") from None
         m = gen.metrics()
         result = {"id": entry.id, "line": entry.line, "session": entry.session, "prompt_tokens": len(ids),
-                  "cached_tokens": gen.cached_tokens, "tokens": gen.tokens, "ttft_ms": m["ttft_ms"],
+                  "cached_tokens": gen.cached_tokens, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
+                  "ttft_ms": m["ttft_ms"],
                   "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"]}
         results.append(result)
         if on_result is not None:

@@ -39,27 +39,41 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, as_
     static = pop_static(kwargs, devices, inference_precision)
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
+    name = source_name(path, bundled=model is None)
     for note in static.lengths().notes:
         progress(f"note: {note}")
     options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
                              dumps=dumps, instrumentation=instrumentation)
-    manifest = compile_to(path, out, options, progress=progress)
+    manifest = compile_to(path, out, options, progress=lambda m: progress(m.replace(str(path), name)))
     if as_json:
         echo_json(manifest)
         return
-    render_summary(out, manifest)
+    render_summary(out, manifest, name)
 
 
-def render_summary(out: Path, manifest: dict) -> None:
+def source_name(path: Path, bundled: bool) -> str:
+    """How the logs name the source: the bundled model by its name, not by its path in
+    site-packages."""
+    return f"the bundled model ({path.parent.name})" if bundled else str(path)
+
+
+def model_order(manifest: dict) -> list[str]:
+    """The models as compile builds them: prefill, then the generate variants by size."""
+    names = list(manifest["models"])
+    return sorted(names, key=lambda n: (n != "prefill", int(n.split("-", 1)[1]) if n.startswith("generate-") else 0, n))
+
+
+def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
     L = manifest["plan"]["lengths"]
-    click.echo(f"compiled {manifest['source']['path']} -> {out}")
+    click.echo(f"compiled {source or manifest['source']['path']} -> {out}")
     click.echo(f"lengths: prompt P={L['max_prompt_len']}, response R={L['min_response_len']}, "
                f"chunk={L['prefill_chunk_size'] or 'none'}, capacity={L['capacity']}, "
                f"generate variants {', '.join(map(str, L['generate_sizes']))}")
     for note in L["adjustments"]:
         click.echo(f"  adjusted: {note}")
     rows = []
-    for name, m in manifest["models"].items():
+    for name in model_order(manifest):
+        m = manifest["models"][name]
         shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
         blobs = ", ".join(f"{d} {human_bytes(b['bytes'])} {b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
@@ -67,7 +81,8 @@ def render_summary(out: Path, manifest: dict) -> None:
         rows.append((name, shapes.get("input_ids", "-"), shapes.get("attention_mask", "-"), past, blobs))
     click.echo(table(["model", "input_ids", "attention_mask", "past KV", "blobs"], rows))
     weights = out / manifest["weights"]
-    click.echo(f"weights: {manifest['weights']} ({human_bytes(weights.stat().st_size)}), shared by every model")
+    click.echo(f"weights: {manifest['weights']} ({human_bytes(weights.stat().st_size)} on disk: every constant of every "
+               f"model once, each 64-byte aligned), shared by every model")
     v = manifest["verification"]
     if v is None:
         click.echo("verification: skipped (--no-verify)")

@@ -34,7 +34,8 @@ def inspect(model: str | None, as_json: bool) -> None:
         echo_json(info)
         return
     click.echo(f"model   {path}")
-    click.echo(f"weights {info['parameters']:,} parameters, {human_bytes(info['weight_bytes'])}\n")
+    click.echo(f"weights {info['parameters']:,} parameters, {human_bytes(info['weight_bytes'])} of constants "
+               f"(the sum of their sizes; a compiled weights.bin adds the passes' constants and alignment)\n")
     click.echo(table(["input", "type"], [(",".join(p["names"]), p["type"]) for p in info["inputs"]]))
     click.echo()
     click.echo(table(["output", "type"], [(",".join(p["names"]), p["type"]) for p in info["outputs"]]))

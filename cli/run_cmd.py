@@ -18,11 +18,12 @@ def load_tokenizer(directory: Path):
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise UsageError(f"{directory} has no tokenizer.json; pass --prompt-ids instead of --prompt")
+    from tokenizers import Tokenizer
+
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("text prompts need the tokenizers package: pip install 'kvc[text]'") from None
-    return Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust library raises its own exception type
+        raise UsageError(f"{path}: cannot read the tokenizer: {exc}") from None
 
 
 @click.command("run")
@@ -30,6 +31,18 @@ def load_tokenizer(directory: Path):
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0: greedy (the default, and what verification uses); above 0: sample.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the k most likely tokens (0: all).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              help="Sample among the most likely tokens whose probability reaches p.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler: the same seed gives the same tokens.")
+@click.option("--eos-token-id", "eos", type=click.IntRange(min=0), multiple=True,
+              help="Stop after this token (repeatable; default: eos_token_id of OUT/generation_config.json).")
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens whatever tokens come.")
+@click.option("--stream/--no-stream", default=None,
+              help="Print the text as it is generated (default: on a terminal, for text prompts).")
 @click.option("--backend", type=click.Choice(["numpy", "openvino", "npu"]), default="openvino", show_default=True,
               help="numpy: kvc's interpreter; openvino: CPU; npu: the NPU plugin (NPUW on CPU without an NPU).")
 @click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
@@ -52,19 +65,23 @@ def load_tokenizer(directory: Path):
 @click.option("--events", "events_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --prefix-cache: write the KV cache events (stored, removed, updated) as JSON lines.")
 @json_option
-def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, requests_path, prefix_cache,
-        prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes, retention_policy,
-        events_path, as_json):
-    """Generate greedily from a prompt through the compiled prefill and generate models, or
-    replay a workload of requests (--requests) with a prefix cache and chat sessions."""
+def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, eos, ignore_eos, stream, backend,
+        from_ir, check, requests_path, prefix_cache, prefix_caching_block_size, prefix_caching_max_num_blocks,
+        prefix_caching_max_bytes, retention_policy, events_path, as_json):
+    """Generate from a prompt through the compiled prefill and generate models (greedy unless
+    --temperature; stopping at the model's end-of-sequence ids), or replay a workload of
+    requests (--requests) with a prefix cache and chat sessions."""
     from kvc.export.load import open_compiled
+    from kvc.runtime.sampling import Sampling, eos_ids
 
+    stop = frozenset() if ignore_eos else (frozenset(eos) or eos_ids(out))
+    sampling = Sampling(temperature, top_k, top_p, seed, stop)
     if requests_path is not None:
         if prompt_ids is not None or text is not None:
             raise click.UsageError("--requests replays its own prompts: leave out --prompt-ids and --prompt")
         return run_requests(out, requests_path, backend, from_ir, check, as_json, prefix_cache,
                             prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
-                            retention_policy, events_path)
+                            retention_policy, events_path, sampling)
     if prefix_cache or events_path is not None:
         raise click.UsageError("--prefix-cache and --events go with --requests")
     if (prompt_ids is None) == (text is None):
@@ -74,22 +91,53 @@ def run(out, prompt_ids, text, max_new_tokens, backend, from_ir, check, requests
     started = time.perf_counter()
     pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
     load_seconds = time.perf_counter() - started
-    gen = pipeline.generate(ids, max_new_tokens)
+    if stream is None:
+        stream = tokenizer is not None and not as_json and click.get_text_stream("stdout").isatty()
+    if stream and (tokenizer is None or as_json):
+        raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
+    streamer = TextStreamer(tokenizer) if stream else None
+    gen = pipeline.generate(ids, max_new_tokens, sampling=sampling, on_token=streamer)
+    if streamer is not None:
+        streamer.finish()
     decoded = tokenizer.decode(gen.tokens) if tokenizer else None
     metrics = gen.metrics(load_seconds)
     if as_json:
         echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend,
+                   "finish_reason": gen.finish_reason, "eos_token_ids": sorted(stop),
+                   "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
                    "variants": metrics["variants"], "metrics": metrics})
         return
-    click.echo(f"prompt ({len(ids)} tokens): {ids}")
-    click.echo(f"generated ({len(gen.tokens)} tokens): {gen.tokens}")
-    if decoded is not None:
-        click.echo(f"text: {printable(decoded)}")
+    if streamer is None:
+        click.echo(f"prompt ({len(ids)} tokens): {ids}")
+        click.echo(f"generated ({len(gen.tokens)} tokens{', stopped at end of sequence' if gen.finish_reason == 'stop' else ''}): {gen.tokens}")
+        if decoded is not None:
+            click.echo(f"text: {printable(decoded)}")
     click.echo(metrics_line(metrics, backend))
 
 
+class TextStreamer:
+    """Prints generated text as tokens arrive: the decoded text so far, less what was printed
+    (a token that completes no character prints nothing until one that does)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.printed = tokenizer, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            click.echo(printable(text[len(self.printed):]), nl=False)
+            self.printed = text
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.tokens)
+        if text.startswith(self.printed):
+            click.echo(printable(text[len(self.printed):]), nl=False)
+        click.echo()
+
+
 def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool, as_json: bool, prefix_cache: bool,
-                 block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None) -> None:
+                 block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None, sampling) -> None:
     from kvc.cache.prefix import PrefixCache
     from kvc.cache.requests import read_requests
     from kvc.cache.serving import CachedPipeline, replay
@@ -112,7 +160,8 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
         if cache is not None and events_path is not None:
             events.extend(e.to_dict() for e in cache.get_latest_events())
 
-    results = replay(served, entries, (lambda t: tokenizer.encode(t).ids) if tokenizer else None, str(path), drain)
+    results = replay(served, entries, (lambda t: tokenizer.encode(t).ids) if tokenizer else None, str(path), drain,
+                     sampling)
     if events_path is not None:
         from kvc.ir.writer import write_bytes_atomic
 

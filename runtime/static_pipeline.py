@@ -27,6 +27,7 @@ from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
 from kvc.runtime.generate import Generation
 from kvc.runtime.ops.registry import to_dtype
+from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
 
 
@@ -45,6 +46,7 @@ class StaticGeneration(Generation):
     step_seconds: list[float] = field(default_factory=list)  # wall time of each generate step
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
     cached_tokens: int = 0  # prompt tokens whose KV rows were restored, not computed (prefix cache, chat session)
+    finish_reason: str = "length"  # "stop": an end-of-sequence token ended it
     kv_rows: int = 0  # cache rows valid after the call: the prompt, then every generated token but the last
 
     def metrics(self, load_seconds: float | None = None) -> dict:
@@ -63,6 +65,7 @@ class StaticGeneration(Generation):
             "generate_ms": (self.prefill_seconds + float(np.sum(self.step_seconds))) * 1e3,
             "new_tokens": len(self.tokens),
             "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
             "variants": sorted(set(self.variants)),
         }
 
@@ -201,9 +204,12 @@ class StaticPipeline:
                 self._store(spec, out[spec.output], stored)
         return out["logits"][0, -1], kept
 
-    def generate(self, prompt, new_tokens: int, *, reuse: int = 0) -> StaticGeneration:
-        """Greedy decoding: prefill, then one generate step per token on the smallest variant
-        that holds the prompt and R (moving up a variant when its past is full).
+    def generate(self, prompt, new_tokens: int, *, reuse: int = 0, sampling: Sampling | None = None,
+                 on_token=None) -> StaticGeneration:
+        """Decoding (greedy unless `sampling` says otherwise): prefill, then one generate step
+        per token on the smallest variant that holds the prompt and R (moving up a variant when
+        its past is full), until `new_tokens` or a stop token of `sampling`. `on_token(id)` is
+        called as each token is chosen (streaming).
 
         `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
@@ -232,10 +238,17 @@ class StaticPipeline:
         sizes = sorted(self.generate_sessions)
         variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
         stored = n
+        sampling = sampling or Sampling()
+        choose = sampling.chooser()
         while True:
-            token = int(np.argmax(last))
+            token = choose(last)
             gen.tokens.append(token)
             gen.logits.append(np.array(last, copy=True))
+            if on_token is not None:
+                on_token(token)
+            if token in sampling.stop:
+                gen.finish_reason = "stop"
+                return gen
             if len(gen.tokens) >= new_tokens:
                 return gen
             if stored > variant - L.tokens:  # this variant's past is full: move up, nothing to copy

@@ -334,7 +334,7 @@ def test_installed_console_script_compile_run_verify(tmp_path):
 
     sh("compile", fixtures.path("phi"), "-o", out, *SMALL, "--prefill-chunk-size", "16", "--device", "CPU")
     golden = fixtures.goldens("phi")["prompts"][2]
-    data = json.loads(sh("run", out, "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "24",
+    data = json.loads(sh("run", out, "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "24", "--ignore-eos",
                          "--json"))
     assert data["tokens"] == golden["tokens"]["openvino"]
     assert "verification: OK" in sh("verify", out, "--backends", "numpy,openvino", "--max-new-tokens", "8")
@@ -375,3 +375,15 @@ def test_a_reader_that_goes_away_does_not_stop_a_compile(tmp_path):
     child.stdout.close()  # the reader leaves
     assert child.wait(timeout=300) == 0
     assert (out / "manifest.json").is_file()
+
+
+def test_summaries_name_the_bundled_model_order_prefill_first_and_say_what_weights_count(tmp_path):
+    out = tmp_path / "out"
+    result = kvc("compile", "-o", out, *SMALL, "--variants", "96")
+    assert "[kvc] loading the bundled model (llama)" in result.output and "site-packages" not in result.output
+    assert f"compiled the bundled model (llama) -> {out}" in result.output
+    listed = [line.split()[0] for line in kvc("inspect", out).output.splitlines()
+              if line.startswith(("prefill", "generate-"))]
+    assert listed == ["prefill", "generate-96", "generate-128"]
+    assert "on disk: every constant of every model once" in result.output
+    assert "of constants (the sum of their sizes" in kvc("inspect").output
