@@ -8,8 +8,11 @@ version that exported them, which is checked first with an actionable message.
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
+
+import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
@@ -60,11 +63,22 @@ def _import_core(config: dict):
     """A Core to import a blob with `config`. NPUW on the CPU imports its CPU subgraphs with the
     CPU plugin's defaults, not with the properties passed to import_model (nor with
     DEVICE_PROPERTIES): on a host with bf16 or AMX they would compute in bf16 and quantize
-    activations, and the blob would not reproduce its compile. The Core's CPU plugin gets those
-    properties instead (each Core has its own plugins, so this one import is all it affects)."""
-    c = core()
+    activations, and the blob would not reproduce its compile. Those imports get a Core of
+    their own whose CPU plugin has the properties set (each Core has its own plugins); the
+    process-wide Core is left alone, so a later CPU compile at the plugin's defaults still gets
+    them."""
     if config.get("NPU_USE_NPUW") == "YES" and config.get("NPUW_DEVICES") == "CPU":
-        c.set_property("CPU", {k: config[k] for k in CPU_EXACTNESS_KEYS if k in config})
+        return _npuw_cpu_core(tuple(sorted((k, config[k]) for k in CPU_EXACTNESS_KEYS if k in config)))
+    return core()
+
+
+@functools.cache
+def _npuw_cpu_core(cpu_properties: tuple) -> ov.Core:
+    from kvc.ir.custom_ops import register_extensions
+
+    c = ov.Core()
+    register_extensions(c)
+    c.set_property("CPU", dict(cpu_properties))
     return c
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import openvino as ov
 import pytest
 
 import kvc.ir as ir
@@ -108,6 +109,17 @@ def test_compiled_directory_runs_from_ir_and_from_blobs(compiled, backend):
         blob_run = open_compiled(compiled, backend).generate(prompt["ids"], 24)
         assert blob_run.tokens == ir_run.tokens
         np.testing.assert_array_equal(np.stack(blob_run.logits), np.stack(ir_run.logits))
+
+
+def test_opening_npu_blobs_leaves_the_process_cpu_defaults_alone(compiled):
+    """NPU blobs import through a Core of their own set to f32: a later CPU compile at the
+    plugin's defaults (kvc compile --inference-precision auto) must still get the defaults."""
+    from kvc.ir.reader import core
+
+    keys = ("INFERENCE_PRECISION_HINT", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
+    before = {k: str(ov.Core().get_property("CPU", k)) for k in keys}
+    open_compiled(compiled, "npu").generate([1, 2, 3], 2)
+    assert {k: str(core().get_property("CPU", k)) for k in keys} == before
 
 
 def test_blob_from_another_openvino_version_is_an_actionable_error(compiled, tmp_path):
