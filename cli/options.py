@@ -137,8 +137,9 @@ def static_options(f):
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
-        click.option("--kv-precision", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
-                     help="Element type of KV inputs/outputs (the NPU plugin stores f16)."),
+        click.option("--kv-precision", type=click.Choice(["f16", "f32", "int8"]), default="f16", show_default=True,
+                     help="Element type of KV inputs/outputs (the NPU plugin stores f16); int8: with one f16 scale "
+                          "per token and head, dequantized in the graph (docs/kv-precision.md)."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
         click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
                      help="Prefill returns only the last position's logits (as NPUW does)."),
@@ -161,7 +162,8 @@ def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, va
     from kvc.plan import StaticOptions
 
     return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
-                         kv_precision, transpose_v, slice_logits, beam, passes_, attention)
+                         {"int8": "i8"}.get(kv_precision, kv_precision), transpose_v, slice_logits, beam, passes_,
+                         attention)
 
 
 STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",

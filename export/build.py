@@ -28,7 +28,7 @@ from kvc.ir.naming import canonicalize_friendly_names
 from kvc.passes import Instrumentation, Pass, PassManager, format_pipeline, parse_pipeline
 from kvc.passes.dense_experts import DenseExperts
 from kvc.passes.group_attention import GroupAttention
-from kvc.passes.kv_io import KVIO
+from kvc.passes.kv_io import KVIO, scale_name
 from kvc.passes.lift_state import LiftState
 from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
@@ -100,6 +100,8 @@ def _build_static(model: ov.Model, options: StaticOptions, instrumentation: Inst
     lifted = run.model
     canonicalize_friendly_names(lifted)  # once here rather than in every branch's save
     layout = kv_layout(lifted)
+    if options.kv_precision == "i8":
+        calibrate_key_channels(lifted, layout)
     largest = f"generate-{lengths.sizes[-1]}"
     models, pipelines, kv = {}, {}, ()
     branches = branch_passes(options)
@@ -115,6 +117,37 @@ def _build_static(model: ov.Model, options: StaticOptions, instrumentation: Inst
     return StaticModels(StaticPlan(options, lengths, kv), models, pipelines)
 
 
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 2, 64
+
+
+def calibrate_key_channels(lifted: ov.Model, layout) -> None:
+    """For int8 KV: the magnitude of every key channel (max |k| per head and channel over
+    CALIBRATION_PROMPTS seeded random prompts of CALIBRATION_TOKENS tokens, on OpenVINO CPU at
+    f32), recorded on each key's past input for kv-io to equalize channels with. Computed once,
+    before the branches, so every static model quantizes the shared cache alike; the same model
+    gives the same numbers (seeded, exact arithmetic)."""
+    import numpy as np
+
+    from kvc.passes.kv_io import CHANNEL_ABSMAX
+    from kvc.runtime.generate import first_step_feed
+    from kvc.runtime.session import OpenVINOSession
+
+    session = OpenVINOSession(lifted)
+    vocab = lifted.output("logits").get_partial_shape()[-1].get_length()
+    rng = np.random.default_rng(0)
+    keys = [t for t in layout.tensors if t.kind == "key"]
+    absmax: dict[str, np.ndarray] = {}
+    for _ in range(CALIBRATION_PROMPTS):
+        out = session.infer(first_step_feed(session, rng.integers(0, vocab, CALIBRATION_TOKENS)))
+        for t in keys:
+            rows = np.abs(np.asarray(out[t.output_name], np.float32))
+            m = rows.max(axis=(t.batch_axis, t.seq_axis))
+            absmax[t.input_name] = np.maximum(absmax.get(t.input_name, m), m)
+    params = {p.output(0).get_any_name(): p for p in lifted.get_parameters()}
+    for name, m in absmax.items():
+        params[name].get_rt_info()[CHANNEL_ABSMAX] = ",".join(repr(float(v)) for v in m.reshape(-1))
+
+
 def _kv_specs(largest: ov.Model, layout, options: StaticOptions) -> tuple[KVSpec, ...]:
     ports = {p.get_any_name(): p for p in largest.inputs}
     specs = []
@@ -125,4 +158,8 @@ def _kv_specs(largest: ov.Model, layout, options: StaticOptions) -> tuple[KVSpec
             seq = len(past.get_partial_shape()) - 1
         specs.append(KVSpec(t.input_name, t.output_name, t.layer, t.kind, seq,
                             past.get_element_type().get_type_name(), tuple(past.get_shape())))
+        scales = ports.get(scale_name(t.input_name))
+        if scales is not None:  # int8 KV: the per-token scales are cache rows too
+            specs.append(KVSpec(scale_name(t.input_name), scale_name(t.output_name), t.layer, f"{t.kind}_scale", seq,
+                                scales.get_element_type().get_type_name(), tuple(scales.get_shape())))
     return tuple(specs)

@@ -5,6 +5,12 @@
 * present outputs of a model with a past (chunked prefill, generate) carry only this step's
   rows, as NPUW's RedirectNewKvToOutput does, so a step copies rows, not the cache;
 * ``kv_type=f16``: KV inputs and outputs stored as f16 (converted at the boundary);
+* ``kv_type=i8``: KV stored as int8 with one f16 scale per token and head (symmetric,
+  ``scale = max|row| / 127`` over the head dimension, ``q = round(x / scale)`` clamped to
+  ±127): each present output carries ``q`` and a new output ``<name>_scale`` its scales; each
+  past input takes ``q`` and a new input ``<name>_scale``, dequantized (``q * scale``) before
+  attention, in the graph, so the device runs it. This step's own rows enter attention
+  unquantized; they are read back quantized from the next step on;
 * ``transpose_v=true``: value tensors with the sequence axis last (``[B, H, D, S]``);
 * ``slice_logits=true``: a prefill returns the logits of its last position only.
 
@@ -70,7 +76,8 @@ class KVIO(Pass):
     name: ClassVar[str] = "kv-io"
     requires: ClassVar[tuple[str, ...]] = ("stateless", "static")
     ensures: ClassVar[tuple[str, ...]] = ("static",)
-    kv_type: str = option("f32", choices=("f32", "f16"), help="element type of KV inputs and outputs")
+    kv_type: str = option("f32", choices=("f32", "f16", "i8"),
+                          help="element type of KV inputs and outputs (i8: with per-token f16 scales)")
     transpose_v: bool = option(False, help="store values as [B, H, D, S] (sequence last)")
     slice_logits: bool = option(False, help="prefill: return only the last position's logits")
     new_rows_only: bool = option(True, help="present outputs carry only this step's rows when there is a past")
@@ -85,8 +92,13 @@ class KVIO(Pass):
             elif self.new_rows_only:
                 self._present_new_rows(c)
                 touched.append(c.result)
+        if self.kv_type == "i8" and self.transpose_v:
+            raise self.fail("transpose_v with int8 KV is not supported (its per-token scales assume the head "
+                            "dimension last); use one or the other")
         for c in caches:
-            if self.kv_type != c.result.get_output_element_type(0).get_type_name() or (
+            if self.kv_type == "i8":
+                touched += self._quantize(model, c)
+            elif self.kv_type != c.result.get_output_element_type(0).get_type_name() or (
                     self.transpose_v and c.tensor.kind == "value"):
                 touched += self._retype(model, c)
         if self.slice_logits:
@@ -158,6 +170,73 @@ class KVIO(Pass):
         _reroute(c.result, value)
         return [*rewired, c.result]
 
+    # -- int8 with per-token scales -----------------------------------------------------------
+    def _quantize(self, model: ov.Model, c: _Cache) -> list[ov.Node]:
+        t = c.tensor
+        rank = len(c.result.get_output_partial_shape(0))
+        depth = rank - 1  # the head dimension: one scale per (token, head)
+        if t.seq_axis == depth:
+            raise self.fail(f"{t.input_name}: int8 KV needs the head dimension last, not the sequence", c.result)
+        f32 = ov.Type.f32
+        rewired = []
+        channels = self._channel_magnitudes(c, rank, depth)
+        if c.param is not None:
+            old = c.param.output(0)
+            shape = c.param.get_output_partial_shape(0)
+            q = ops.parameter(shape, ov.Type.i8)
+            set_name(q.output(0), t.input_name)
+            scale_shape = ov.PartialShape([1 if a == depth else shape[a] for a in range(rank)])
+            scale = ops.parameter(scale_shape, ov.Type.f16)
+            set_name(scale.output(0), scale_name(t.input_name))
+            value = ops.multiply(ops.convert(q, f32), ops.convert(scale, f32)).output(0)
+            if channels is not None:
+                value = ops.multiply(value, channels).output(0)
+            value.get_node().set_friendly_name(f"{t.input_name}/dequantize")
+            if old.get_element_type() != f32:
+                value = ops.convert(value, old.get_element_type()).output(0)
+            rewired = [u.get_node() for u in old.get_target_inputs()]
+            for target in list(old.get_target_inputs()):
+                target.replace_source_output(value)
+            model.replace_parameter(model.get_parameter_index(c.param), q)
+            model.add_parameters([scale])
+            c.param = q
+        rows = c.result.input_value(0)
+        if rows.get_element_type() != f32:
+            rows = ops.convert(rows, f32).output(0)
+        if channels is not None:
+            rows = ops.divide(rows, channels).output(0)
+        absmax = ops.reduce_max(ops.abs(rows), ops.constant(np.array([depth], np.int64)), keep_dims=True)
+        step = ops.maximum(ops.divide(absmax, ops.constant(np.float32(127))), ops.constant(np.float32(SCALE_FLOOR)))
+        stored = ops.convert(step, ov.Type.f16)  # quantize with the scale as stored
+        quantized = ops.convert(ops.clamp(ops.round(ops.divide(rows, ops.convert(stored, f32)), "half_to_even"),
+                                          -127.0, 127.0), ov.Type.i8)
+        quantized.set_friendly_name(f"{t.output_name}/quantize")
+        _reroute(c.result, quantized.output(0))
+        result = ops.result(stored)
+        set_name(stored.output(0), scale_name(t.output_name))
+        model.add_results([result])
+        return [*rewired, c.result, result]
+
+    @staticmethod
+    def _channel_magnitudes(c: _Cache, rank: int, depth: int) -> ov.Output | None:
+        """The calibrated magnitudes of a key cache per channel (every axis but batch and
+        sequence), as a constant that broadcasts over its rows; None for values and for keys
+        without a calibration."""
+        if c.tensor.kind != "key" or c.param is None:
+            return None
+        rt = c.param.get_rt_info()
+        if CHANNEL_ABSMAX not in rt.keys():
+            return None
+        values = np.array([float(v) for v in rt[CHANNEL_ABSMAX].astype(str).split(",")], np.float32)
+        shape = [d.get_length() for d in c.param.get_output_partial_shape(0)]
+        shape[c.tensor.batch_axis] = shape[c.tensor.seq_axis] = 1
+        if values.size != int(np.prod(shape)):
+            return None
+        values = values.reshape(shape)
+        values = np.maximum(values, values.max() * 1e-3)  # a dead channel must not divide by ~0
+        del rt[CHANNEL_ABSMAX]
+        return ops.constant(values).output(0)
+
     # -- logits ------------------------------------------------------------------------------
     def _slice_logits(self, model: ov.Model) -> list[ov.Node]:
         for i, result in enumerate(model.get_results()):
@@ -176,6 +255,16 @@ class KVIO(Pass):
             _reroute(result, last.output(0))
             return [result]
         raise self.fail("slice_logits: the model has no output named logits")
+
+
+CHANNEL_ABSMAX = "kvc_key_channel_absmax"  # rt_info of a key's past input: comma-separated [heads x depth]
+SCALE_FLOOR = 2.0 ** -24  # the smallest f16 step: an all-zero row keeps a finite, non-zero scale
+
+
+def scale_name(name: str) -> str:
+    """The scales of an int8 KV input or output: past_key_values.N.key -> past_key_values.N.key_scale
+    (a name KV discovery does not take for a cache tensor)."""
+    return f"{name}_scale"
 
 
 def _reroute(result: ov.Node, value: ov.Output) -> None:
