@@ -11,7 +11,8 @@ The policy, in order:
    everything, so a check written as ``error > tol`` would pass it.
 2. **Exact backends** (kvc's numpy runtime, OpenVINO CPU at f32, f32 KV): identical tokens and
    logits within ``F32_ATOL + F32_RTOL × max |reference logit|`` (``f32_bound``).
-3. **Reduced precision** (f16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤ ``F16_NRMSE`` over the steps that
+3. **Reduced precision** (f16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤ ``F16_NRMSE``
+   (``INT8_KV_NRMSE`` when the KV cache is int8, `nrmse_limit`) over the steps that
    share a context, and a token may differ only where rounding can explain it: the
    reference's margin between its token and the one chosen instead must be below twice the
    *noise* of this run, the largest logit error measured before the divergence (every logit
@@ -133,6 +134,17 @@ def f32_bound(ref) -> float:
 
 
 F16_NRMSE = 0.01
+# int8 KV rounds each cached value to 1/254 of its row's range (f16: 2^-11 relative): on most
+# fixtures the logits stay within NRMSE 2e-3, but a mixture-of-experts router that a small
+# change turns to another expert moves whole tokens' outputs, as OpenVINO's own bf16 does
+# (NPUW_LLM at bf16 on qwen3_moe: 0.0235). Measured on the fixture zoo at 24 steps: at most
+# 0.026 (docs/kv-precision.md). The token rule is unchanged.
+INT8_KV_NRMSE = 0.05
+
+
+def nrmse_limit(kv_element_types) -> float:
+    """The NRMSE a reduced-precision run may show: wider for an int8 KV cache."""
+    return INT8_KV_NRMSE if any(t in ("i8", "u8") for t in kv_element_types) else F16_NRMSE
 
 
 @dataclass(frozen=True)
@@ -186,9 +198,10 @@ class Verdict:
         return {"ok": self.ok, "reason": self.reason, **self.comparison.to_dict()}
 
 
-def judge(ref, actual, *, reduced: bool = False) -> Verdict:
+def judge(ref, actual, *, reduced: bool = False, limit: float = F16_NRMSE) -> Verdict:
     """Whether `actual` reproduces `ref` under the policy in the module docstring; `reduced`
-    for a reduced-precision path (f16 KV, the NPU plugin, CPU below f32), else exact."""
+    for a reduced-precision path (f16 KV, the NPU plugin, CPU below f32), else exact; `limit`
+    its NRMSE bound (`nrmse_limit`)."""
     c = compare_generations(ref, actual)
     div = c.first_divergent_token
     for side, run in (("found", actual), ("reference", ref)):
@@ -208,8 +221,8 @@ def judge(ref, actual, *, reduced: bool = False) -> Verdict:
         if c.max_abs > c.bound:
             return Verdict(False, c, f"logits differ by {c.max_abs:.3g} > {c.bound:.3g}")
         return Verdict(True, c, f"identical tokens, logits within {c.bound:.3g}")
-    if c.nrmse > F16_NRMSE:
-        return Verdict(False, c, f"NRMSE {c.nrmse:.3g} > {F16_NRMSE}")
+    if c.nrmse > limit:
+        return Verdict(False, c, f"NRMSE {c.nrmse:.3g} > {limit}")
     if div is None:
         return Verdict(True, c, f"identical tokens, NRMSE {c.nrmse:.3g}")
     what = (f"token {div} differs ({ref.tokens[div]} expected, {actual.tokens[div]} found) at reference margin "

@@ -43,15 +43,16 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
     the original model on OpenVINO CPU at f32, on the probe cases. The reference is an engine
     kvc did not write: were it kvc's interpreter, a kernel bug would make the source and the
     static models wrong the same way and the check pass (it did, for attention sinks)."""
-    from kvc.runtime.compare import judge, reduced_precision
+    from kvc.runtime.compare import judge, nrmse_limit, reduced_precision
     from kvc.runtime.generate import greedy
     from kvc.runtime.session import OpenVINOSession
 
     reference = OpenVINOSession(source_model, "CPU")
     reduced = reduced_precision(static.plan.kv_element_types, "numpy")
+    limit = nrmse_limit(static.plan.kv_element_types)
     results = []
     for (prompt, n), got in zip(cases, ir_gens):
-        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced)
+        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
@@ -64,7 +65,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
     from kvc.export.manifest import plan_of
-    from kvc.runtime.compare import count_nonfinite, judge, reduced_precision
+    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend)
@@ -75,7 +76,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
         got = pipe.generate(prompt, n)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            row.update(judge(ir_gens[i], got, reduced=reduced).to_dict())
+            row.update(judge(ir_gens[i], got, reduced=reduced, limit=nrmse_limit(plan_of(manifest).kv_element_types))
+                       .to_dict())
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -130,7 +132,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
             verdict = judge(references[(i, n)], pipe.generate(prompt, n),
-                            reduced=reduced_precision(kv_types, backend, configs[backend]))
+                            reduced=reduced_precision(kv_types, backend, configs[backend]), limit=nrmse_limit(kv_types))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

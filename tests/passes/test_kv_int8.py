@@ -1,0 +1,89 @@
+"""int8 KV (kv-io kv_type=i8): the quantization the graph computes is the one its docstring
+states, and the static pipeline with int8 KV keeps the reference's tokens on every fixture."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import kvc.ir as ir
+from kvc import fixtures
+from kvc.errors import PassError
+from kvc.export.build import build_static
+from kvc.plan import StaticOptions
+from kvc.runtime.compare import INT8_KV_NRMSE, judge
+from kvc.runtime.session import NumpySession
+from kvc.runtime.static_pipeline import StaticPipeline
+from tests.conftest import fixture_names
+from tests.runtime.test_static_pipeline import prompts, reference
+
+P, C, R = 64, 16, 32
+
+
+@functools.cache
+def models(name: str, kv: str):
+    return build_static(ir.load(fixtures.path(name)), StaticOptions(P, R, prefill_chunk_size=C, kv_precision=kv),
+                        use_env=False)
+
+
+def first_chunk(sm, ids):
+    """The prefill's first chunk on kvc's numpy runtime, from an empty cache."""
+    session = NumpySession(sm.models["prefill"])
+    feed = {"input_ids": ids[None], "attention_mask": np.r_[np.zeros(P - C), np.ones(C)].astype(np.int64)[None],
+            "position_ids": np.arange(C, dtype=np.int64)[None]}
+    for spec in sm.plan.kv:
+        rows = list(spec.shape)
+        rows[spec.seq_axis] = P - C
+        feed[spec.input] = np.zeros(rows, np.dtype(spec.element_type.replace("i8", "int8").replace("f", "float")
+                                                   .replace("float16", "float16")))
+    return session.infer({k: v for k, v in feed.items() if session.has_input(k)})
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_the_graph_quantizes_as_stated(name):
+    """Values: exactly the numpy computation of the docstring (scale = f16(max(max|v| / 127,
+    2^-24)), q = clip(round(v / scale), -127, 127)). Keys: per-token quantization of the
+    equalized rows, so every row reaches ±127 and the dequantized key is within half a step."""
+    ids = np.random.default_rng(3).integers(1, 256, C).astype(np.int64)
+    exact, quant = first_chunk(models(name, "f32"), ids), first_chunk(models(name, "i8"), ids)
+    specs = {s.input: s for s in models(name, "i8").plan.kv}
+    for spec in specs.values():
+        if spec.kind != "value":
+            continue
+        v = np.asarray(exact[spec.output], np.float32)
+        scale = np.maximum(np.abs(v).max(axis=-1, keepdims=True) / np.float32(127), np.float32(2.0 ** -24))
+        scale = scale.astype(np.float16)
+        q = np.clip(np.round(v / scale.astype(np.float32)), -127, 127).astype(np.int8)
+        np.testing.assert_array_equal(quant[spec.output + "_scale"], scale, err_msg=spec.output)
+        assert np.mean(quant[spec.output] == q) > 0.999, spec.output  # a rounding tie may go either way
+        assert np.abs(quant[spec.output].astype(np.int32) - q).max() <= 1
+    for spec in specs.values():
+        if spec.kind != "key":
+            continue
+        q = quant[spec.output].astype(np.int32)
+        assert (np.abs(q).max(axis=-1) == 127).all(), f"{spec.output}: some row does not use the full int8 range"
+        k = np.asarray(exact[spec.output], np.float32)
+        step = quant[spec.output + "_scale"].astype(np.float32)  # x channel magnitude, unknown here:
+        # ... k / (q * scale) is that magnitude, per channel; where |q| >= 32 rounding moves it < 2%
+        ratio = k / np.where(np.abs(q) < 32, np.nan, q * step)
+        spread = np.nanmax(ratio, axis=-2) / np.nanmin(ratio, axis=-2)  # the same channel, other tokens
+        assert np.nanmax(spread) < 1.04, f"{spec.output}: channels are not scaled consistently"
+
+
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
+def test_int8_kv_keeps_the_reference_tokens(name):
+    sm = models(name, "i8")
+    pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
+                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
+    assert {s.element_type for s in sm.plan.kv} == {"i8", "f16"}
+    for prompt, ref in zip(prompts(), reference(name)):
+        verdict = judge(ref, pipe.generate(prompt, 24), reduced=True, limit=INT8_KV_NRMSE)
+        assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
+
+
+def test_int8_kv_refuses_transposed_values():
+    with pytest.raises(PassError, match="transpose_v with int8 KV is not supported"):
+        build_static(ir.load(fixtures.path("llama")), StaticOptions(P, R, kv_precision="i8", transpose_v=True),
+                     use_env=False)
