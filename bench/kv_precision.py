@@ -1,0 +1,164 @@
+"""KV cache precision: accuracy on the fixture zoo, bytes and decode time on the bench model
+(issue 16, part 1). Writes the tables of docs/kv-precision.md to stdout.
+
+Zoo: every fixture, static models with P 64, R 128, chunk 16, on OpenVINO CPU at f32
+arithmetic (so the KV precision is the only difference), KV stored as f32 (the reference), f16
+and int8; greedy, 64 new tokens after prompts of 8, 32 and 60 tokens. Per precision: the
+largest logit NRMSE and max |error| against f32 KV over the steps before the first divergent
+token (kvc.runtime.compare), the mean fraction of the 64 positions whose token agrees, and
+the first divergence with the f32 run's top-1/top-2 margin there.
+
+Bench model (if built: bench/build_model.py): `kvc compile MODEL -o OUT` at the defaults with
+--kv-precision f16 (the default) and int8; KV bytes per token, decode ms per token after a
+512-token prompt (32 steps, median of rounds alternating the two), and token agreement of
+int8 with f16 over those steps; then OpenVINO's own KV precisions on the stateful model
+(KV_CACHE_PRECISION f16 and u8, the plugin's default arithmetic), same measurements.
+
+    python bench/kv_precision.py [--zoo-only] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+MODEL = BENCH / ".models" / "llama-250m-fp32"
+PROMPTS, STEPS = (8, 32, 60), 64
+
+
+def zoo_rows() -> list[dict]:
+    import kvc.ir as ir
+    from kvc import fixtures
+    from kvc.export.build import build_static
+    from kvc.plan import StaticOptions
+    from kvc.runtime.compare import compare_generations
+    from kvc.runtime.session import OpenVINOSession
+    from kvc.runtime.static_pipeline import StaticPipeline
+
+    rows = []
+    for name in list(fixtures.MODELS) + list(fixtures.COMPRESSED):
+        runs = {}
+        for kv in ("f32", "f16", "i8"):
+            sm = build_static(ir.load(fixtures.path(name)), StaticOptions(64, 128, prefill_chunk_size=16,
+                                                                          kv_precision=kv), use_env=False)
+            pipe = StaticPipeline(OpenVINOSession(sm.models["prefill"]),
+                                  {s: OpenVINOSession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
+            rng = np.random.default_rng(16)
+            runs[kv] = [pipe.generate(rng.integers(1, 256, n), STEPS) for n in PROMPTS]
+        for kv in ("f16", "i8"):
+            comps = [compare_generations(ref, got) for ref, got in zip(runs["f32"], runs[kv])]
+            agree = [np.mean(np.array(ref.tokens) == np.array(got.tokens)) for ref, got in zip(runs["f32"], runs[kv])]
+            first = [(c.first_divergent_token, c.margin_at_divergence) for c in comps if c.first_divergent_token is not None]
+            rows.append({"model": name, "kv": kv, "nrmse": max(c.nrmse for c in comps),
+                         "max_abs": max(c.max_abs for c in comps), "agreement": float(np.mean(agree)),
+                         "first_divergence": min(first) if first else None})
+    return rows
+
+
+def compile_out(kv: str, tmp: Path) -> Path:
+    out = tmp / f"out-{kv}"
+    subprocess.run([sys.executable, "-m", "kvc.cli.main", "compile", str(MODEL), "-o", str(out),
+                    "--kv-precision", kv], check=True, capture_output=True)
+    return out
+
+
+def decode_ms(step, rounds: int) -> float:
+    return statistics.median(step() for _ in range(rounds))
+
+
+def bench_rows(rounds: int) -> list[dict]:
+    import openvino as ov
+
+    from kvc.export.load import open_compiled
+
+    prompt = np.random.default_rng(1).integers(1, 32000, 512)
+    tmp = Path(tempfile.mkdtemp(prefix="kvc-kvprec-"))
+    pipes = {kv: open_compiled(compile_out(kv, tmp), "openvino") for kv in ("f16", "int8")}
+    times = {kv: [] for kv in pipes}
+    gens = {}
+    for _ in range(rounds):
+        for kv, pipe in pipes.items():
+            gen = pipe.generate(prompt, 33)
+            gens[kv] = gen
+            times[kv].append(1e3 * statistics.median(gen.step_seconds))
+    rows = []
+    for kv, pipe in pipes.items():
+        per_token = sum(int(np.prod(s.shape)) // s.shape[s.seq_axis] * np.dtype(
+            {"f16": np.float16, "f32": np.float32, "i8": np.int8}[s.element_type]).itemsize for s in pipe.kv)
+        rows.append({"engine": f"kvc --kv-precision {kv}", "bytes_per_token": per_token,
+                     "decode_ms": statistics.median(times[kv]),
+                     "agreement": float(np.mean(np.array(gens[kv].tokens) == np.array(gens["f16"].tokens)))})
+    core = ov.Core()
+    stateful = {}
+    for kvp in ("f16", "u8"):
+        compiled = core.compile_model(str(MODEL / "openvino_model.xml"), "CPU", {"KV_CACHE_PRECISION": kvp})
+        stateful[kvp] = compiled
+    tokens, st_times = {}, {k: [] for k in stateful}
+    for _ in range(rounds):
+        for kvp, compiled in stateful.items():
+            toks, steps = stateful_decode(compiled, prompt, 33)
+            tokens[kvp] = toks
+            st_times[kvp].append(1e3 * statistics.median(steps))
+    layers = 16 * 2 * 4 * 64  # layers x (K, V) x KV heads x head size of the bench model
+    for kvp in stateful:
+        per_token = layers * (2 if kvp == "f16" else 1)
+        rows.append({"engine": f"stateful model, KV_CACHE_PRECISION {kvp}", "bytes_per_token": per_token,
+                     "decode_ms": statistics.median(st_times[kvp]),
+                     "agreement": float(np.mean(np.array(tokens[kvp]) == np.array(tokens["f16"])))})
+    return rows
+
+
+def stateful_decode(compiled, prompt, n):
+    request = compiled.create_infer_request()
+    request.reset_state()
+    seen = len(prompt)
+    feed = {"input_ids": prompt[None].astype(np.int64), "attention_mask": np.ones((1, seen), np.int64),
+            "position_ids": np.arange(seen, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
+    out = request.infer(feed)
+    tokens, steps = [int(np.argmax(out["logits"][0, -1]))], []
+    for _ in range(n - 1):
+        start = time.perf_counter()
+        out = request.infer({"input_ids": np.array([[tokens[-1]]], np.int64),
+                             "attention_mask": np.ones((1, seen + 1), np.int64),
+                             "position_ids": np.array([[seen]], np.int64), "beam_idx": np.zeros(1, np.int32)})
+        steps.append(time.perf_counter() - start)
+        tokens.append(int(np.argmax(out["logits"][0, -1])))
+        seen += 1
+    return tokens, steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--zoo-only", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    rows = zoo_rows()
+    print("| model | KV | NRMSE | max abs | token agreement (64 steps) | first divergence (step, margin) |")
+    print("|---|---|---:|---:|---:|---|")
+    for r in rows:
+        fd = "-" if r["first_divergence"] is None else f"{r['first_divergence'][0]}, {r['first_divergence'][1]:.3g}"
+        print(f"| `{r['model']}` | {r['kv']} | {r['nrmse']:.2e} | {r['max_abs']:.3g} | {r['agreement']:.1%} | {fd} |")
+    for kv in ("f16", "i8"):
+        sel = [r for r in rows if r["kv"] == kv]
+        print(f"\n{kv}: mean agreement {np.mean([r['agreement'] for r in sel]):.1%}, "
+              f"worst NRMSE {max(r['nrmse'] for r in sel):.3g}, "
+              f"{sum(r['agreement'] == 1 for r in sel)} of {len(sel)} fixtures identical over every prompt")
+    if args.zoo_only or not MODEL.exists():
+        return 0
+    print("\n| engine | KV bytes per token | decode ms/token (512-token prompt) | token agreement with its f16 |")
+    print("|---|---:|---:|---:|")
+    for r in bench_rows(args.rounds):
+        print(f"| {r['engine']} | {r['bytes_per_token']:,} | {r['decode_ms']:.2f} | {r['agreement']:.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
