@@ -209,6 +209,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "inputs": port_table(static.models[name].inputs),
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
+    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
+    # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
+    # weights.bin); everything after this reads the written IR, so they go now: each later
+    # import maps weights.bin again, and a peak with both would count the weights twice more.
+    static.models.clear()
     for device in options.devices:
         for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress).items():
             models[name]["blobs"][device] = blob
@@ -223,7 +228,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "models": models,
         "tokenizer": _copy_tokenizer(resolve(model_path).root, work),
     }
-    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, options, progress)
+    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab, options,
+                                                              progress)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
     manifest["files"] = {p.relative_to(work).as_posix(): file_entry(p) for p in files}
@@ -317,6 +323,7 @@ def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str
         write_bytes_atomic(path, blob)
         blobs[name] = {"file": path.name, "bytes": len(blob), "compile_config": config,
                        "import_config": _import_config(device, config, compiled)}
+        del compiled, model  # before the next compile: one compiled model (and its packed weights) at a time
     return blobs
 
 
@@ -330,13 +337,12 @@ def _copy_tokenizer(source_dir: Path, work: Path) -> list[str]:
     return copied
 
 
-def _check(model_path: Path, work: Path, manifest: dict, static, options: CompileOptions, progress):
+def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, options: CompileOptions, progress):
     """Nothing is published unless it works: the static IR against the source (numpy, unless
     --no-verify), then every blob imported as `kvc run` imports it and run on the same probes
     (against the IR's answers; only for finite logits with --no-verify)."""
     from kvc.verify.compiled import check_blobs, ir_generations, probe_cases, verify_static
 
-    vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
     verification = ir_gens = None
     if options.verify:

@@ -104,13 +104,67 @@ def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: boo
     return pipeline_from(directory, manifest, backend, from_ir=from_ir)
 
 
-def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False) -> StaticPipeline:
+def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
+                  lazy: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
-    unpublished output to import and run every blob it wrote."""
+    unpublished output to import and run every blob it wrote. `lazy`: each model is imported
+    when first run and can be released (`LazySession`)."""
+    def session(name: str):
+        if lazy:
+            names = [p["name"] for p in manifest["models"][name]["inputs"]]
+            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir), names, backend)
+        return _session(directory, manifest, name, backend, from_ir)
+
     generate = {}
     for name in manifest["models"]:
         if name.startswith("generate-"):
-            generate[int(name.split("-", 1)[1])] = _session(directory, manifest, name, backend, from_ir)
-    prefill = _session(directory, manifest, "prefill", backend, from_ir)
+            generate[int(name.split("-", 1)[1])] = session(name)
+    prefill = session("prefill")
     logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1])
+
+
+class LazySession:
+    """A session imported at its first inference and dropped by `release` (imported again if
+    run again); its buffer bindings are kept across. `kvc compile` checks its blobs with these
+    so that prefill and generate models need not be in memory together: each import maps the
+    weights file and packs the weights anew."""
+
+    def __init__(self, make, input_names: list[str], backend: str):
+        self._make, self._names, self.backend = make, list(input_names), backend
+        self._session: Session | None = None
+        self._bindings: dict[str, tuple] = {}
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self._names)
+
+    def has_input(self, name: str) -> bool:
+        return name in self._names
+
+    def bind(self, name, buffer, rows, axis) -> None:
+        self._bindings[name] = (buffer, rows, axis)
+        if self._session is not None:
+            self._session.bind(name, buffer, rows, axis)
+
+    def _opened(self) -> Session:
+        if self._session is None:
+            self._session = self._make()
+            for name, args in self._bindings.items():
+                self._session.bind(name, *args)
+        return self._session
+
+    def infer(self, inputs):
+        return self._opened().infer(inputs)
+
+    def release(self) -> None:
+        self._session = None
+
+    def reset(self) -> None:
+        self._opened().reset()
+
+    def state(self):
+        return self._opened().state()
+
+    def set_state(self, variable_id, value) -> None:
+        self._opened().set_state(variable_id, value)

@@ -214,6 +214,13 @@ class StaticPipeline:
         `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
         in chunks from there. It needs a chunked prefill and at least one token to compute."""
+        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse), sampling=sampling,
+                                on_token=on_token)
+
+    def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0) -> "Prefilled":
+        """The first half of `generate`: check the request and fill the cache with the prompt.
+        `decode_from` finishes it, with the cache as this left it (or as `restore_rows` put
+        it back)."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
@@ -235,6 +242,11 @@ class StaticPipeline:
             gen.prompt_logits = None  # the restored positions' logits were not computed
         gen.first_logits = gen.prompt_logits
         gen.kv_rows = n
+        return Prefilled(gen, last, new_tokens)
+
+    def decode_from(self, run: "Prefilled", *, sampling: Sampling | None = None, on_token=None) -> StaticGeneration:
+        """The second half of `generate`: the tokens after a prefilled prompt."""
+        L, gen, last, n = self.lengths, run.generation, run.last, len(run.generation.prompt)
         sizes = sorted(self.generate_sessions)
         variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
         stored = n
@@ -249,7 +261,7 @@ class StaticPipeline:
             if token in sampling.stop:
                 gen.finish_reason = "stop"
                 return gen
-            if len(gen.tokens) >= new_tokens:
+            if len(gen.tokens) >= run.new_tokens:
                 return gen
             if stored > variant - L.tokens:  # this variant's past is full: move up, nothing to copy
                 variant = next(s for s in sizes if s - L.tokens >= stored)
@@ -259,3 +271,12 @@ class StaticPipeline:
             gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
+
+
+@dataclass
+class Prefilled:
+    """A prompt in the cache, its first token's logits not yet chosen from."""
+
+    generation: StaticGeneration
+    last: np.ndarray
+    new_tokens: int

@@ -68,12 +68,23 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
     from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
-    pipe = pipeline_from(directory, manifest, backend)
+    pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     reduced = reduced_precision(plan_of(manifest).kv_element_types, backend, config)
+    # The prefill blob for every case, then the generate blobs: never both in memory (each
+    # import maps weights.bin and packs the weights again), so checking costs no more memory
+    # than the compile.
+    prefilled = []
+    for prompt, n in cases:
+        run = pipe.prefill_prompt(prompt, n)
+        prefilled.append((run, pipe.copy_rows(0, len(prompt))))
+    pipe.prefill.release()
     rows = []
-    for i, (prompt, n) in enumerate(cases):
-        got = pipe.generate(prompt, n)
+    for i, ((prompt, n), (run, kv)) in enumerate(zip(cases, prefilled)):
+        for buffer in pipe.buffers.values():
+            buffer[...] = 0
+        pipe.restore_rows(kv, 0)
+        got = pipe.decode_from(run)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
             row.update(judge(ir_gens[i], got, reduced=reduced, limit=nrmse_limit(plan_of(manifest).kv_element_types))
