@@ -70,7 +70,9 @@ def test_compile_reports_alignment(tmp_path):
 
 def test_compile_default_model_is_the_bundled_one(tmp_path):
     result = kvc("compile", "-o", tmp_path / "o", *SMALL, "--no-verify")
-    assert f"compiled {fixtures.bundled_model()}" in result.output
+    assert "compiled the bundled model (llama)" in result.output
+    data = json.loads(kvc("compile", "-o", tmp_path / "j", *SMALL, "--no-verify", "--json").stdout)
+    assert data["source"]["path"] == str(fixtures.bundled_model().absolute())
 
 
 def test_compile_prints_ir_after_change(tmp_path):
@@ -387,3 +389,20 @@ def test_summaries_name_the_bundled_model_order_prefill_first_and_say_what_weigh
     assert listed == ["prefill", "generate-96", "generate-128"]
     assert "on disk: every constant of every model once" in result.output
     assert "of constants (the sum of their sizes" in kvc("inspect").output
+
+
+def test_diff_dump_and_compiled_directories_step_by_step(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    kvc("compile", "-o", a, *SMALL, "--dumps", "--no-verify")
+    kvc("compile", "-o", b, *SMALL, "--dumps", "--no-verify", "--kv-precision", "int8")
+    out = kvc("diff", a / "dumps", b / "dumps", "--summary-only").output
+    assert "prefill/003-unmask-pad-rows.txt: identical" in out  # the steps before kv-io are the same
+    assert re.search(r"prefill/004-kv-io.txt: \d+ lines differ \(ops .*Round \+4", out)
+    data = json.loads(kvc("diff", a, b, "--json").output)
+    assert data["kind"] == "compiled" and {p["name"] for p in data["pairs"]} == {"prefill", "generate-128"}
+    assert not any(p["identical"] for p in data["pairs"]) and any("kv_precision" in h for h in data["header"])
+    plain = kvc("diff", a, b).output
+    assert "\x1b[" not in plain and "+++ " in plain  # not a terminal: no colour by default
+    assert "\x1b[32m+" in kvc("diff", a, b, "--color", "always").output
+    assert "identical" in kvc("diff", a / "dumps", a / "dumps").output.splitlines()[0]
+    assert "cannot compare a compiled with a model" in kvc("diff", a, a / "prefill.xml", code=2).output
