@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import click
@@ -127,7 +128,7 @@ def diff(a, b, context, summary_only, color, as_json):
     dump or compiled directories step by step."""
     from kvc.ir.compare import diff_text, summarize_text
 
-    colored = color == "always" or (color == "auto" and not as_json and click.get_text_stream("stdout").isatty())
+    colored = color == "always" or (color == "auto" and not as_json and sys.stdout.isatty())
     paint = colorize if colored else (lambda s: s)
     kinds = {_kind(a), _kind(b)}
     if kinds & {"dumps", "compiled"}:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import click
@@ -24,16 +26,59 @@ def resolve_model(model: str | None) -> Path:
     return path
 
 
-def progress(message: str) -> None:
-    """A progress line on stderr. A reader that went away (`kvc compile ... 2>&1 | head`) must
-    not stop the work: the rest of the progress goes to /dev/null and the command finishes."""
-    try:
-        click.echo(f"[kvc] {message}", err=True)
-    except BrokenPipeError:
-        import os
-        import sys
+COUNTED = re.compile(r"^(?P<phase>.*?) \((?P<done>\d+)/(?P<total>\d+)\)(?:: (?P<detail>.*))?$")
+BAR = 24
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+class Progress:
+    """Progress lines on stderr: `[kvc] message`. A message `phase (i/n)` or `phase (i/n):
+    detail` says i of the phase's n steps are done (device compiles, verification probes); on a
+    terminal the steps of one phase redraw a single bar line, elsewhere (logs, pipes, --json
+    runs captured to a file) each is a plain line. A reader that went away
+    (`kvc compile ... 2>&1 | head`) must not stop the work: the rest goes to /dev/null."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.open_phase: str | None = None
+
+    def _terminal(self) -> bool:
+        stream = self.stream or sys.stderr
+        return bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, message: str) -> None:
+        try:
+            self._write(message)
+        except BrokenPipeError:
+            import os
+            import sys
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+    def _write(self, message: str) -> None:
+        stream = self.stream or sys.stderr
+        m = COUNTED.match(message)
+        if not self._terminal() or m is None:
+            self._close(stream)
+            click.echo(f"[kvc] {message}", file=stream)
+            return
+        done, total = int(m["done"]), max(int(m["total"]), 1)
+        filled = BAR * done // total
+        if self.open_phase not in (None, m["phase"]):
+            self._close(stream)
+        detail = f" {m['detail']}" if m["detail"] else ""
+        click.echo(f"\r\x1b[K[kvc] {m['phase']} [{'#' * filled}{'.' * (BAR - filled)}] {done}/{total}{detail}",
+                   file=stream, nl=False)
+        self.open_phase = m["phase"]
+        if done >= total:
+            self._close(stream)
+
+    def _close(self, stream) -> None:
+        if self.open_phase is not None:
+            click.echo("", file=stream)
+            self.open_phase = None
+
+
+progress = Progress()
 
 
 def parse_variants(text: str) -> str | tuple[int, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, 
     pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
     load_seconds = time.perf_counter() - started
     if stream is None:
-        stream = tokenizer is not None and not as_json and click.get_text_stream("stdout").isatty()
+        stream = tokenizer is not None and not as_json and sys.stdout.isatty()
     if stream and (tokenizer is None or as_json):
         raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
     streamer = TextStreamer(tokenizer) if stream else None

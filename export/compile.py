@@ -309,8 +309,8 @@ def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str
     """Compile each saved model for `device` and write its blob; the manifest entry of each."""
     config = device_config(device, for_export=True, precision=precision)
     blobs = {}
-    for name, xml in xmls.items():
-        progress(f"compiling {name} for {device}")
+    progress(f"compiling {', '.join(xmls)} for {device}")
+    for i, (name, xml) in enumerate(xmls.items(), 1):
         model = load(xml, weights=work / WEIGHTS_FILE)
         if device == "CPU":
             embed_small_constants(model)
@@ -324,6 +324,7 @@ def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str
         blobs[name] = {"file": path.name, "bytes": len(blob), "compile_config": config,
                        "import_config": _import_config(device, config, compiled)}
         del compiled, model  # before the next compile: one compiled model (and its packed weights) at a time
+        progress(f"compiled for {device} ({i}/{len(xmls)}): {name}")
     return blobs
 
 
@@ -347,7 +348,8 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
     verification = ir_gens = None
     if options.verify:
         progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
-        ir_gens = ir_generations(work, manifest, cases)
+        ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
+                                                                            f"runtime ({i}/{len(cases)})"))
         verification = verify_static(load(model_path), static, cases, ir_gens)
         if not verification["ok"]:
             bad = next(r for r in verification["results"] if not r["ok"])
@@ -357,7 +359,8 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
     rows = []
     for device in options.devices:
         progress(f"importing and running the {device} blobs")
-        rows += check_blobs(work, manifest, device, cases, ir_gens)
+        rows += check_blobs(work, manifest, device, cases, ir_gens,
+                            lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"))
         bad = next((r for r in rows if not r["ok"]), None)
         if bad is not None:
             raise VerificationError(

@@ -23,7 +23,7 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[tuple[
     return cases
 
 
-def ir_generations(directory, manifest: dict, cases) -> list:
+def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     """The static IR as written to `directory` (read back as `kvc run --backend numpy` reads
     it: each model's XML over weights.bin, its ports checked against `manifest`) run by kvc's
     numpy runtime on each probe: the IR's own answer. Reading what was written checks the
@@ -35,7 +35,12 @@ def ir_generations(directory, manifest: dict, cases) -> list:
     from kvc.export.load import pipeline_from
 
     pipeline = pipeline_from(Path(directory), manifest, "numpy")
-    return [pipeline.generate(prompt, n) for prompt, n in cases]
+    gens = []
+    for i, (prompt, n) in enumerate(cases, 1):
+        gens.append(pipeline.generate(prompt, n))
+        if on_case is not None:
+            on_case(i)
+    return gens
 
 
 def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
@@ -58,7 +63,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
             "results": results}
 
 
-def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> list[dict]:
+def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None) -> list[dict]:
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
@@ -74,10 +79,13 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
+    steps = 2 * len(cases)
     prefilled = []
-    for prompt, n in cases:
+    for i, (prompt, n) in enumerate(cases, 1):
         run = pipe.prefill_prompt(prompt, n)
         prefilled.append((run, pipe.copy_rows(0, len(prompt))))
+        if on_step is not None:
+            on_step(i, steps)
     pipe.prefill.release()
     rows = []
     for i, ((prompt, n), (run, kv)) in enumerate(zip(cases, prefilled)):
@@ -85,6 +93,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None) -> 
             buffer[...] = 0
         pipe.restore_rows(kv, 0)
         got = pipe.decode_from(run)
+        if on_step is not None:
+            on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
             row.update(judge(ir_gens[i], got, reduced=reduced, limit=nrmse_limit(plan_of(manifest).kv_element_types))

@@ -406,3 +406,29 @@ def test_diff_dump_and_compiled_directories_step_by_step(tmp_path):
     assert "\x1b[32m+" in kvc("diff", a, b, "--color", "always").output
     assert "identical" in kvc("diff", a / "dumps", a / "dumps").output.splitlines()[0]
     assert "cannot compare a compiled with a model" in kvc("diff", a, a / "prefill.xml", code=2).output
+
+
+def test_progress_is_a_bar_per_phase_on_a_terminal_and_plain_lines_elsewhere(tmp_path):
+    import io
+
+    from kvc.cli.options import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    messages = ["compiling prefill, generate-128 for CPU", "compiled for CPU (1/2): prefill",
+                "compiled for CPU (2/2): generate-128", "checking the CPU blobs (1/4)", "done"]
+    term, log = Terminal(), io.StringIO()
+    for sink in (term, log):
+        progress = Progress(sink)
+        for m in messages:
+            progress(m)
+    assert log.getvalue().splitlines() == [f"[kvc] {m}" for m in messages]
+    lines = term.getvalue().split("\n")
+    assert lines[1].count("\r") == 2 and lines[1].endswith("[kvc] compiled for CPU [" + "#" * 24 + "] 2/2 generate-128")
+    assert "[kvc] checking the CPU blobs [######..................] 1/4" in lines[2] and lines[3] == "[kvc] done"
+    out = kvc("compile", "-o", tmp_path / "o", *SMALL).output  # not a terminal: plain, counted lines
+    for line in ("[kvc] compiled for CPU (2/2): generate-128", "[kvc] verifying: probes on kvc's numpy runtime (2/2)",
+                 "[kvc] checking the CPU blobs (4/4)"):
+        assert line in out
