@@ -146,3 +146,29 @@ def test_a_refused_request_leaves_the_cache_and_sessions_as_they_were():
         served.generate(prompt + [-5], NEW, session="s")
     assert (cache.keys(), cache.stats.to_dict(), list(served.sessions["s"].tokens)) == before
     assert served.generate(prompt, NEW, session="s").cached_tokens == 2 * C + 2  # the session still serves
+
+
+def test_the_prefix_cache_keeps_int8_kv_and_its_scales():
+    """Blocks hold every cache tensor the plan lists, int8 rows and their scales alike: a hit
+    gives the uncached run's logits bit for bit."""
+    import kvc.ir as ir
+    from kvc import fixtures
+    from kvc.export.build import build_static
+    from kvc.plan import StaticOptions
+    from kvc.runtime.session import OpenVINOSession
+    from kvc.runtime.static_pipeline import StaticPipeline
+
+    sm = build_static(ir.load(fixtures.path("qwen2")), StaticOptions(64, 32, prefill_chunk_size=C, kv_precision="i8"),
+                      use_env=False)
+    pipe = StaticPipeline(OpenVINOSession(sm.models["prefill"]),
+                          {s: OpenVINOSession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
+    cache = PrefixCache(block_size=C, max_blocks=8)
+    served = CachedPipeline(pipe, cache)
+    prompt = list(range(5, 5 + 2 * C + 3))
+    served.generate(prompt, NEW)
+    block = next(iter(cache.blocks.values()))
+    assert {str(a.dtype) for a in block.rows.values()} == {"int8", "float16"} and len(block.rows) == len(sm.plan.kv)
+    plain = pipe.generate(prompt, NEW)
+    got = served.generate(prompt, NEW)
+    assert got.cached_tokens == 2 * C and got.tokens == plain.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(got.logits, plain.logits))
