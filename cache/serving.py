@@ -95,7 +95,7 @@ class CachedPipeline:
                 raise UsageError(f"no chat session {session!r} is open (start_chat first)")
         n = len(prompt)
         try:
-            pipe._check_fits(prompt, new_tokens)
+            pipe.check_fits(prompt, new_tokens)
         except PromptTooLongError as exc:
             if chat is None:
                 raise

@@ -167,7 +167,9 @@ class StaticPipeline:
         prompt_logits = None if any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
-    def _check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
+    def check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
+        """Refuse a request the pipeline cannot serve (empty prompt, ids outside the vocabulary,
+        a prompt longer than P, more tokens than the capacity), with the numbers."""
         L, n = self.lengths, len(prompt)
         if n == 0:
             raise UsageError("the prompt is empty")
@@ -226,7 +228,7 @@ class StaticPipeline:
         except (OverflowError, ValueError, TypeError):
             raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
         n, L = len(prompt), self.lengths
-        self._check_fits(prompt, new_tokens)
+        self.check_fits(prompt, new_tokens)
         if reuse and not 0 < reuse < n:
             raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
                              f"the last prompt token must be computed")
