@@ -69,13 +69,13 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
-    from kvc.export.manifest import plan_of
     from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
-    reduced = reduced_precision(plan_of(manifest).kv_element_types, backend, config)
+    kv_types = pipe.plan.kv_element_types
+    reduced, limit = reduced_precision(kv_types, backend, config), nrmse_limit(kv_types)
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -97,8 +97,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            row.update(judge(ir_gens[i], got, reduced=reduced, limit=nrmse_limit(plan_of(manifest).kv_element_types))
-                       .to_dict())
+            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit).to_dict())
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
