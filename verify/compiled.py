@@ -7,14 +7,18 @@ import numpy as np
 from kvc.export.build import StaticModels
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[tuple[list[int], int]]:
-    """Compile's probes: deterministic prompts of 7 and 33 tokens (at most P), `tokens` new
-    tokens each (at most what fits). With several generate variants the first prompt runs on
-    until one step on the variant after the one it starts on, so a switch is exercised."""
+    """Compile's probes: deterministic prompts of 7 tokens and of C + 9 with a chunked prefill
+    (33 without; at most P), `tokens` new tokens each (at most what fits). The second prompt
+    runs a full chunk and then a partial one over a real past, so the prefill's reading of its
+    past is checked, not only its first chunk (with 7 and 33 tokens at the default chunk of
+    64, a prefill that ignored its past passed). With several generate variants the first
+    prompt runs on until one step on the variant after the one it starts on, so a switch is
+    exercised."""
     from kvc.runtime.static_pipeline import max_new_tokens
 
     rng = np.random.default_rng(seed)
     cases = []
-    for length in sorted({min(plan.prompt, 7), min(plan.prompt, 33)}):
+    for length in sorted({min(plan.prompt, 7), min(plan.prompt, plan.chunk + 9 if plan.chunk else 33)}):
         n = tokens
         start = next((s for s in plan.sizes if s >= length + plan.response), plan.sizes[-1])
         if not cases and start != plan.sizes[-1]:

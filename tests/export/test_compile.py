@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,11 +11,13 @@ import sys
 import numpy as np
 import openvino as ov
 import pytest
+from typing import ClassVar
 
 import kvc.ir as ir
 from kvc import fixtures
 from kvc.errors import DeviceError, UsageError, VerificationError
 from kvc.export.build import build_static
+from kvc.passes.framework.base import Pass, PassResult
 from kvc.plan import StaticOptions
 from kvc.export.compile import CompileOptions, compile_to
 from kvc.export.load import open_compiled
@@ -151,6 +154,44 @@ def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(VerificationError, match="prompt of 7 tokens: forced; nothing was written"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
     assert list(tmp_path.iterdir()) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class HalvePastValues(Pass):
+    """A fault only a prefill chunk over a real past can show: the prefill reads its past
+    values at half their size (an empty past is masked, so the first chunk is unaffected)."""
+
+    name: ClassVar[str] = "test-halve-past-values"
+
+    def run(self, model):
+        import openvino.opset13 as ops
+
+        for p in model.get_parameters():
+            if p.output(0).get_any_name().startswith("past_key_values") and "value" in p.output(0).get_any_name():
+                targets = list(p.output(0).get_target_inputs())
+                half = ops.multiply(p.output(0), ops.constant(np.array(0.5, p.get_element_type().to_dtype())))
+                for t in targets:
+                    t.replace_source_output(half.output(0))
+        return PassResult(model, True)
+
+
+def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
+    """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
+    33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""
+    import kvc.export.build as build
+
+    real = build.branch_passes
+
+    def faulty(options):
+        branches = real(options)
+        branches["prefill"] = [*branches["prefill"], HalvePastValues()]
+        return branches
+
+    monkeypatch.setattr(build, "branch_passes", faulty)
+    options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=64)
+    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
+    assert not (tmp_path / "out").exists()
 
 
 def test_force_replaces_only_when_complete(tmp_path):
