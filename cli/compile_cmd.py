@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import tempfile
 from pathlib import Path
 
 import click
@@ -26,9 +29,12 @@ from kvc.cli.render import echo_json, human_bytes, table
               help="Check the static pipeline (kvc's numpy runtime) against the source model on OpenVINO CPU f32.")
 @click.option("--dumps", is_flag=True, help="Write pass-by-pass IR dumps into OUT/dumps.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
+@click.option("--report", "report", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write one self-contained HTML page about this compile (docs/report.md); "
+                   "kvc report OUT writes it later, completely when compiled with --dumps.")
 @ir_print_options
 @json_option
-def compile_(model, out, devices, inference_precision, verify, dumps, force, as_json, **kwargs):
+def compile_(model, out, devices, inference_precision, verify, dumps, force, report, as_json, **kwargs):
     """Compile MODEL into static prefill and generate models for an NPU, with blobs and a manifest.
 
     MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
@@ -42,9 +48,24 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, as_
     name = source_name(path, bundled=model is None)
     for note in static.lengths().notes:
         progress(f"note: {note}")
-    options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
-                             dumps=dumps, instrumentation=instrumentation)
-    manifest = compile_to(path, out, options, progress=lambda m: progress(m.replace(str(path), name)))
+    with contextlib.ExitStack() as stack:
+        recorder = None
+        if report is not None or dumps:  # with --dumps, recorded beside them for a later `kvc report OUT`
+            from kvc.report import CompileRecorder
+
+            recorder = CompileRecorder()
+        if report is not None and not dumps and instrumentation.dump_dir is None:  # the passes, for the page only
+            instrumentation = dataclasses.replace(
+                instrumentation, dump_dir=Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvc-report-"))))
+        options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
+                                 dumps=dumps, instrumentation=instrumentation, recorder=recorder)
+        manifest = compile_to(path, out, options, progress=lambda m: progress(m.replace(str(path), name)))
+        if report is not None:
+            from kvc.report import write_report
+
+            write_report(out, report, dumps=out / "dumps" if dumps else instrumentation.dump_dir,
+                         record=recorder.to_dict(), source=path)
+            progress(f"report: {report}")
     if as_json:
         echo_json(manifest)
         return

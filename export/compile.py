@@ -90,6 +90,9 @@ class CompileOptions:
     force: bool = False
     dumps: bool = False  # write pass-by-pass dumps into OUT/dumps
     instrumentation: Instrumentation = field(default_factory=Instrumentation)
+    # Told each phase as it begins and the probes' generations, for a report
+    # (kvc.report.collect.CompileRecorder); with `dumps` it writes what it recorded beside them.
+    recorder: object | None = field(default=None, compare=False)
 
 
 def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
@@ -201,9 +204,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     """Build, save, export and check everything into `work`; the manifest (without `files`
     until the end)."""
     progress(f"loading {model_path}")
+    _phase(options, "hash the source", work)
     source = source_hashes(model_path)
     stated = model_max_positions(resolve(model_path).root)
     options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
+    _phase(options, "passes, save the IR", work)
     static, xmls = _build_and_save(model_path, work, options, stated, progress)
     models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
                      "inputs": port_table(static.models[name].inputs),
@@ -215,6 +220,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     # import maps weights.bin again, and a peak with both would count the weights twice more.
     static.models.clear()
     for device in options.devices:
+        _phase(options, f"compile for {device}", work)
         for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress).items():
             models[name]["blobs"][device] = blob
     manifest = {
@@ -230,6 +236,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     }
     manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab, options,
                                                               progress)
+    if options.recorder is not None:
+        options.recorder.finish(work, work / "dumps" if options.dumps else None)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
     manifest["files"] = {p.relative_to(work).as_posix(): file_entry(p) for p in files}
@@ -347,10 +355,13 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
     cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
     verification = ir_gens = None
     if options.verify:
+        _phase(options, "verify the IR (numpy) against the source", work)
         progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
         ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
                                                                             f"runtime ({i}/{len(cases)})"))
         verification = verify_static(load(model_path), static, cases, ir_gens)
+        if options.recorder is not None:
+            options.recorder.probes(model_path, cases, ir_gens, work)
         if not verification["ok"]:
             bad = next(r for r in verification["results"] if not r["ok"])
             raise VerificationError(
@@ -358,6 +369,7 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
                 f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
     rows = []
     for device in options.devices:
+        _phase(options, f"check the {device} blobs", work)
         progress(f"importing and running the {device} blobs")
         rows += check_blobs(work, manifest, device, cases, ir_gens,
                             lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"))
@@ -368,6 +380,12 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
                 f"{bad['reason']}; nothing was written (kvc compile --device CPU --no-verify and "
                 f"kvc run --from-ir to compare)")
     return verification, rows
+
+
+def _phase(options: CompileOptions, name: str, work: Path) -> None:
+    """Tell the report's recorder, if any, that a phase begins (the previous one ends)."""
+    if options.recorder is not None:
+        options.recorder.phase(name, work)
 
 
 def embed_small_constants(model) -> None:
