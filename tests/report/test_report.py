@@ -1,0 +1,187 @@
+"""kvc report / kvc compile --report: what the page holds, and its error paths."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from html import escape
+from html.parser import HTMLParser
+
+import pytest
+
+from kvc.report.page import SECTIONS, delta_text
+from tests.cli.runner import kvc
+from tests.report.conftest import HOSTILE
+
+
+class Elements(HTMLParser):
+    """Every start tag with its attributes, and the page's text."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+    def find(self, tag, **attrs):
+        return [a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in attrs.items())]
+
+    def classed(self, tag, cls):
+        return [a for t, a in self.tags if t == tag and cls in (a.get("class") or "").split()]
+
+
+def test_every_section_is_there_with_its_content(compiled):
+    out, page = compiled
+    html = page.read_text()
+    doc = Elements(html)
+    for sid, _ in SECTIONS:
+        assert doc.find("section", id=sid), sid
+    text = " ".join(doc.text)
+    manifest = json.loads((out / "manifest.json").read_text())
+    lengths = manifest["plan"]["lengths"]
+    # the plan: lengths, variants and every KV tensor of the layout
+    assert f"{lengths['max_prompt_len']}" in text and "generate variants" in text
+    for spec in manifest["plan"]["kv"]:
+        assert spec["input"] in text and spec["output"] in text
+    # three pictures of layer 0: source (stateful, ReadValue/Assign), final prefill and generate
+    figures = re.findall(r'<figure class="subgraph"><figcaption>([^<]*)</figcaption>(.*?)</figure>', html, re.S)
+    assert [f[0].split(":")[0] for f in figures] == ["before lifting", "final prefill model (layer 0)",
+                                                      "final generate-256 model (layer 0)"]
+    assert "ReadValue" in figures[0][1] and "Assign" in figures[0][1]
+    for _, svg in figures:
+        assert svg.count('<g class="node') >= 8 and '<path class="edge"' in svg
+        assert "ScaledDotProductAttention" in svg or ("MatMul" in svg and "Softmax" in svg)
+    assert '<g class="node past">' in figures[0][1] and "ReadValue" in figures[0][1]
+    assert all('<g class="node present">' in svg for _, svg in figures)
+    # verification: a table row and a per-step plot per probe
+    probes = manifest["verification"]["results"]
+    assert len(doc.classed("svg", "plot")) == len(probes)
+    for r in probes:
+        assert f"prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new" in text
+    # timings and bytes per phase, and every file with its size
+    for phase in ("passes, save the IR", "compile for CPU", "verify the IR (numpy) against the source",
+                  "check the CPU blobs"):
+        assert phase in text
+    assert all(name in text for name in manifest["files"])
+    assert not doc.classed("p", "absent"), "a compile with --dumps --report leaves nothing out"
+
+
+def test_the_page_fetches_nothing(compiled):
+    html = compiled[1].read_text()
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?(?:https?:|//)""", html)
+    assert "@import" not in html and "url(http" not in html
+
+
+def test_op_count_deltas_and_diffs_are_the_dumps(compiled):
+    out, page = compiled
+    doc = Elements(page.read_text())
+    shown = {(a["data-branch"], int(a["data-index"])): json.loads(a["data-op-delta"])
+             for t, a in doc.tags if "data-op-delta" in a}
+    expected = {}
+    for index in sorted((out / "dumps").glob("*/index.json")):
+        for row in json.loads(index.read_text()):
+            expected[(index.parent.name, row["index"])] = row["op_delta"]
+    assert shown == expected and len(expected) >= 10
+    lift = next(r for r in json.loads((out / "dumps" / "common" / "index.json").read_text()) if r["pass"] == "lift-state")
+    assert lift["op_delta"]["ReadValue"] < 0
+    html = page.read_text()
+    assert f'ops: {delta_text(lift["op_delta"])}' in html
+    # each changed pass's diff, coloured line by line
+    diff = (out / "dumps" / "common" / "001-lift-state.diff").read_text().splitlines()
+    added = next(line for line in diff if line.startswith("+input"))
+    assert f'<span class="add">{escape(added)}</span>' in html
+    # a collapsible diff for every pass that changed the model, a plain line for the others
+    assert len(doc.classed("details", "pass")) == len(list((out / "dumps").glob("*/[0-9][0-9][0-9]-*.diff")))
+
+
+def test_the_same_directory_gives_the_same_bytes(compiled, tmp_path):
+    out, page = compiled
+    kvc("report", out, "-o", tmp_path / "a.html")
+    kvc("report", out, "-o", tmp_path / "b.html")
+    assert (tmp_path / "a.html").read_bytes() == (tmp_path / "b.html").read_bytes()
+    # what compile --report wrote is what kvc report writes later from the directory (and its dumps)
+    assert (tmp_path / "a.html").read_bytes() == page.read_bytes()
+
+
+def test_report_says_what_a_directory_without_dumps_lacks(compiled, tmp_path):
+    out = tmp_path / "plain"
+    shutil.copytree(compiled[0], out, ignore=shutil.ignore_patterns("dumps"))
+    result = kvc("report", out)
+    assert f"report: {out / 'report.html'}" in result.output
+    html = (out / "report.html").read_text()
+    doc = Elements(html)
+    absent = " ".join(doc.text)
+    assert "recorded only when compiled with --dumps" in absent
+    assert "kvc compile --dumps (written to OUT/dumps/timings.json)" in absent
+    assert "per-step logit errors and margins are recorded by kvc compile --dumps" in absent
+    assert len(doc.classed("p", "absent")) == 3
+    assert not doc.classed("details", "pass") and not doc.classed("svg", "plot")
+    # what the directory itself holds is still there: the plan, pictures, verification, files
+    assert len(doc.classed("svg", "graph")) == 3 and "identical tokens" in html and "weights.bin" in html
+
+
+def test_hostile_names_and_paths_are_escaped(hostile):
+    out, page = hostile
+    html = page.read_text()
+    assert HOSTILE not in html and "<img src=x" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html  # the friendly name, in the picture's tooltip
+    assert "&lt;img src=x onerror=alert(2)&gt;" in html  # the source path
+    assert html.count("<script>") == 1
+    doc = Elements(html)
+    assert len(doc.find("script")) == 1 and not doc.find("img")
+
+
+def test_a_corrupted_manifest_is_a_clean_error(compiled, tmp_path):
+    out = tmp_path / "bad"
+    shutil.copytree(compiled[0], out)
+    manifest = out / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-40])
+    result = kvc("report", out, code=3)
+    assert "kvc: error:" in result.output and "manifest is not valid UTF-8 JSON" in result.output
+    assert "Traceback" not in result.output and not (out / "report.html").exists()
+    manifest.write_text(json.dumps({"format": 3, "files": {}}))
+    assert "missing key" in kvc("report", out, code=3).output
+
+
+def test_a_changed_file_or_malformed_dumps_are_clean_errors(compiled, tmp_path):
+    out = tmp_path / "bad"
+    shutil.copytree(compiled[0], out)
+    index = out / "dumps" / "prefill" / "index.json"
+    rows = json.loads(index.read_text())
+    rows[0]["op_delta"] = {"Concat": "many"}
+    index.write_text(json.dumps(rows))
+    assert "[bad-dumps]" in kvc("report", out, code=3).output
+    index.write_text("[{\"index\": 1, \"pass\": \"../../etc/passwd\", \"spec\": \"x\", \"changed\": true, "
+                     "\"op_delta\": {}}]")
+    assert "a pass entry is malformed" in kvc("report", out, code=3).output
+    shutil.rmtree(out / "dumps")
+    with open(out / "weights.bin", "ab") as f:
+        f.write(b"\0")
+    assert "[file-changed]" in kvc("report", out, code=3).output
+
+
+def test_usage_and_output_errors(compiled, tmp_path):
+    out = compiled[0]
+    assert "--layer 7: the plan's KV cache has layers 0 to 1" in kvc("report", out, "--layer", "7", code=2).output
+    (tmp_path / "file").write_text("")
+    result = kvc("report", out, "-o", tmp_path / "file" / "report.html", code=7)
+    assert "cannot write the report" in result.output
+    assert "not a kvc compiled directory" in kvc("report", tmp_path, code=3).output
+
+
+def test_the_escaping_check_catches_unescaped_names(hostile, monkeypatch):
+    """The check above fails on a page that does not escape: with the picture's escaping
+    switched off, the friendly name is markup again."""
+    from kvc.report import page, svg
+    from kvc.report.collect import collect
+
+    monkeypatch.setattr(svg, "_t", str)
+    assert HOSTILE in page.render(collect(hostile[0]))
