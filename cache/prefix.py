@@ -19,6 +19,11 @@ docs/source/features/kvcache.md):
   has the default). A priority with a duration lapses to the default once the duration passes
   without the block being used; a block that is hit or stored again is used.
 * Every stored, removed and re-prioritized block is an event (`kvc.cache.events`).
+* For chunk-level reuse (`kvc.cache.chunks`) every block is also indexed by its tokens alone
+  (`content_key`), with the position it was computed at and its origin (the sequence that
+  stored it and its start, so blocks stored together are known to be contiguous). Blocks
+  computed after approximately reused rows are stored by `store_approximate` under their
+  content key only, never a chained key: a prefix hit is always exact.
 """
 
 from __future__ import annotations
@@ -114,10 +119,21 @@ class Block:
     duration: float | None
     last_used: float
     children: int = 0
+    start: int = 0  # the position of its first token where its rows were computed
+    origin: tuple[int, int] = (0, 0)  # (sequence number, start): blocks stored by one sequence are contiguous
+    exact: bool = True  # False: a chunk-reuse block, computed in a context that was itself approximate
 
     def effective_priority(self, now: float) -> int:
         lapsed = self.duration is not None and now - self.last_used > self.duration
         return DEFAULT_PRIORITY if lapsed else self.priority
+
+
+def content_key(tokens: Iterable[int]) -> str:
+    """The key of a block's tokens alone, wherever they stood (chunk-level reuse): a hash in
+    its own domain, so it never equals a chained key."""
+    digest = hashlib.sha256(b"kvc-chunk\0")
+    digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
+    return digest.hexdigest()
 
 
 def block_key(parent: str | None, tokens: Iterable[int]) -> str:
@@ -156,6 +172,8 @@ class PrefixCache:
     policy: str = "priority"  # "lru": priorities ignored (the baseline retention is measured against)
     blocks: dict[str, Block] = field(default_factory=dict, init=False)
     stats: CacheStats = field(default_factory=CacheStats, init=False)
+    by_content: dict[str, dict[str, None]] = field(default_factory=dict, init=False)  # content key -> block keys
+    sequences: int = field(default=0, init=False)  # sequences stored so far (block origins)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -182,6 +200,21 @@ class PrefixCache:
             parent = key
         return found
 
+    def find_chunk(self, tokens, after: tuple[int, int] | None = None) -> Block | None:
+        """A cached block holding exactly `tokens`, computed anywhere: the one that continues
+        the block of origin `after` when there is one (no seam between them), else the most
+        recently used."""
+        keys = self.by_content.get(content_key(tokens))
+        if not keys:
+            return None
+        found = [self.blocks[k] for k in keys]
+        if after is not None:
+            follow = (after[0], after[1] + self.block_size)
+            for block in found:
+                if block.origin == follow:
+                    return block
+        return max(found, key=lambda b: b.last_used)
+
     def record_lookup(self, prompt_len: int, hit: int) -> None:
         self.stats.requests += 1
         self.stats.prompt_tokens += prompt_len
@@ -196,6 +229,7 @@ class PrefixCache:
         room. `prompt_len` tells prompt tokens from decoded ones (default: all are prompt)."""
         B, now, parent, added = self.block_size, self.clock(), None, 0
         prompt_len = count if prompt_len is None else prompt_len
+        self.sequences += 1
         chain: set[str] = set()
         stored: list[StoredBlock] = []
         stored_parent = None
@@ -213,9 +247,9 @@ class PrefixCache:
                 nbytes = sum(a.nbytes for a in rows.values())
                 if not self._make_room(nbytes, chain | {parent} if parent else chain):
                     break
-                block = Block(key, parent, span, rows, nbytes, priority, duration, now)
-                self.blocks[key] = block
-                self.bytes_used += nbytes
+                block = Block(key, parent, span, rows, nbytes, priority, duration, now, start=start,
+                              origin=(self.sequences, start))
+                self._add(block)
                 if parent is not None:
                     self.blocks[parent].children += 1
                 stored.append(StoredBlock(key, span, priority))
@@ -226,6 +260,39 @@ class PrefixCache:
         self._flush_stored(stored_parent, stored)
         return added
 
+    def store_approximate(self, tokens, start: int, count: int,
+                          rows_of: Callable[[int, int], dict[str, np.ndarray]]) -> int:
+        """Cache the full blocks of `tokens[start:count]` (`start` a block boundary) for
+        chunk-level reuse only: their rows were computed after rows reused from another
+        context, so no chained key may name them. A block whose tokens are cached already is
+        skipped. Returns the number of blocks added."""
+        B, now, added = self.block_size, self.clock(), 0
+        self.sequences += 1
+        stored = []
+        for at in range(start, count - B + 1, B):
+            span = tuple(int(t) for t in tokens[at:at + B])
+            key = content_key(span)
+            if self.by_content.get(key):
+                continue
+            rows = rows_of(at, at + B)
+            nbytes = sum(a.nbytes for a in rows.values())
+            if not self._make_room(nbytes, set()):
+                break
+            block = Block(key, None, span, rows, nbytes, DEFAULT_PRIORITY, None, now, start=at,
+                          origin=(self.sequences, at), exact=False)
+            self._add(block)
+            stored.append(StoredBlock(key, span, DEFAULT_PRIORITY))
+            self.stats.stored_blocks += 1
+            added += 1
+        if stored:
+            self.events.emit("stored", parent_hash=None, blocks=tuple(stored))
+        return added
+
+    def _add(self, block: Block) -> None:
+        self.blocks[block.key] = block
+        self.bytes_used += block.nbytes
+        self.by_content.setdefault(content_key(block.tokens), {})[block.key] = None
+
     def use(self, blocks: list[Block], retention: Retention | None = None, prompt_len: int | None = None) -> None:
         """Mark restored blocks used now (their priority clocks restart); with a retention
         that gives them a priority, take it."""
@@ -234,6 +301,10 @@ class PrefixCache:
             priority, duration, explicit = self._priority(i * self.block_size, retention,
                                                           prompt_len if prompt_len is not None else 1 << 62)
             self._use(block, now, (priority, duration) if explicit else None)
+
+    def touch(self, block: Block) -> None:
+        """Mark a block used now (a chunk-reuse hit), its priority unchanged."""
+        self._use(block, self.clock(), None)
 
     def _use(self, block: Block, now: float, set_priority: tuple[int, float | None] | None) -> None:
         block.last_used = now
@@ -282,6 +353,10 @@ class PrefixCache:
     def _remove(self, block: Block) -> None:
         del self.blocks[block.key]
         self.bytes_used -= block.nbytes
+        ck = content_key(block.tokens)
+        self.by_content[ck].pop(block.key, None)
+        if not self.by_content[ck]:
+            del self.by_content[ck]
         if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children -= 1
         self.stats.evicted_blocks += 1

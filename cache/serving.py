@@ -21,6 +21,10 @@ Rules:
   it) and says so by `cached_tokens` 0. A history longer than the prefill takes is an error
   that quotes the numbers; nothing is truncated.
 * When both could serve, the longer of the session's prefix and the cache's blocks is used.
+* Chunk reuse (opt-in, `kvc.cache.chunks`): after the exact prefix, blocks cached anywhere
+  with the same tokens are moved here and placed, seams repaired; the request reports them
+  as `placed_tokens` and its rows from the first placed block on are stored for chunk reuse
+  only.
 * Everything a request could be refused for is checked before the cache or a session changes.
 * TTFT (`prefill_seconds`) includes looking the blocks up and restoring them; storing blocks
   after the request does not delay its first token and is not in it.
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvc.cache.chunks import ChunkReuse, plan_chunks, take_rows
 from kvc.cache.prefix import PrefixCache, Retention
 from kvc.errors import UsageError
 from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline
@@ -56,7 +61,7 @@ def common_prefix(a, b) -> int:
 class CachedPipeline:
     """A StaticPipeline with a prefix cache (optional) and chat sessions."""
 
-    def __init__(self, pipeline: StaticPipeline, cache: PrefixCache | None = None):
+    def __init__(self, pipeline: StaticPipeline, cache: PrefixCache | None = None, chunks: ChunkReuse | None = None):
         chunk = pipeline.lengths.chunk
         if cache is not None:
             if not chunk:
@@ -65,7 +70,9 @@ class CachedPipeline:
             if cache.block_size % chunk:
                 raise UsageError(f"the prefix-caching block size {cache.block_size} must be a multiple of the "
                                  f"prefill chunk size {chunk}")
-        self.pipeline, self.cache = pipeline, cache
+        if chunks is not None and cache is None:
+            raise UsageError("chunk reuse keeps its chunks in the prefix cache: enable prefix caching too")
+        self.pipeline, self.cache, self.chunks = pipeline, cache, chunks
         self.sessions: dict[str, ChatSession] = {}
 
     # -- chat sessions ---------------------------------------------------------------------
@@ -110,31 +117,37 @@ class CachedPipeline:
         lcp = min(common_prefix(chat.tokens, prompt), limit) if chat is not None else 0
         if self.cache is not None:
             self.cache.record_lookup(n, hit)
-        reuse = 0
+        reuse, after = 0, None
         if chat is not None and lcp > 0 and lcp >= hit:
-            pipe.restore_rows({spec.input: _take(chat.rows[spec.input], spec, lcp) for spec in pipe.kv}, 0)
+            pipe.restore_rows({spec.input: take_rows(chat.rows[spec.input], spec.seq_axis, 0, lcp)
+                               for spec in pipe.kv}, 0)
             reuse = lcp
         elif hit:
             for i, block in enumerate(blocks):
                 pipe.restore_rows(block.rows, i * self.cache.block_size)
             self.cache.use(blocks, retention, n)
-            reuse = hit
+            reuse, after = hit, blocks[-1].origin
+        plan = None
+        if self.chunks is not None and limit:
+            B = self.cache.block_size
+            plan = plan_chunks(self.cache, self.chunks, prompt, -(-reuse // B) * B, pipe.lengths.chunk,
+                               {spec.input: spec.seq_axis for spec in pipe.kv}, after if reuse % B == 0 else None)
+            for block in plan.blocks:
+                self.cache.touch(block)
         restoring = time.perf_counter() - started
-        gen = pipe.generate(prompt, new_tokens, reuse=reuse, sampling=sampling, on_token=on_token)
+        gen = pipe.generate(prompt, new_tokens, reuse=reuse, placed=tuple(plan.placed) if plan else (),
+                            sampling=sampling, on_token=on_token)
         gen.prefill_seconds += restoring
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
         if self.cache is not None:
-            self.cache.store(sequence, gen.kv_rows, pipe.copy_rows, retention, n)
+            exact = gen.kv_rows if plan is None or plan.first is None else plan.first
+            self.cache.store(sequence, exact, pipe.copy_rows, retention, n)
+            if exact < gen.kv_rows:
+                self.cache.store_approximate(sequence, exact, gen.kv_rows, pipe.copy_rows)
         if chat is not None:
             chat.tokens = [int(t) for t in sequence]
             chat.rows = pipe.copy_rows(0, gen.kv_rows)
         return gen
-
-
-def _take(rows: np.ndarray, spec, count: int) -> np.ndarray:
-    index = [slice(None)] * rows.ndim
-    index[spec.seq_axis] = slice(0, count)
-    return rows[tuple(index)]
 
 
 def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>", on_result=None,
@@ -166,7 +179,7 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
             raise type(exc)(f"{source}:{entry.line}: {what}: {exc}") from None
         m = gen.metrics()
         result = {"id": entry.id, "line": entry.line, "session": entry.session, "prompt_tokens": len(ids),
-                  "cached_tokens": gen.cached_tokens, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
+                  "cached_tokens": gen.cached_tokens, "approximate_tokens": gen.placed_tokens, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
                   "ttft_ms": m["ttft_ms"],
                   "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"]}
         results.append(result)

@@ -65,10 +65,15 @@ def load_tokenizer(directory: Path):
               help="Eviction order: request priorities, then least recently used; or LRU alone.")
 @click.option("--events", "events_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --prefix-cache: write the KV cache events (stored, removed, updated) as JSON lines.")
+@click.option("--chunk-reuse", is_flag=True,
+              help="With --prefix-cache: reuse cached blocks found anywhere in the prompt, moved to their new "
+                   "positions, seams recomputed (approximate, reported per request; docs/chunk-reuse.md).")
+@click.option("--chunk-repair", type=click.IntRange(min=0), default=None,
+              help="With --chunk-reuse: tokens recomputed after each seam (default: one prefill chunk).")
 @json_option
 def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, eos, ignore_eos, stream, backend,
         from_ir, check, requests_path, prefix_cache, prefix_caching_block_size, prefix_caching_max_num_blocks,
-        prefix_caching_max_bytes, retention_policy, events_path, as_json):
+        prefix_caching_max_bytes, retention_policy, events_path, chunk_reuse, chunk_repair, as_json):
     """Generate from a prompt through the compiled prefill and generate models (greedy unless
     --temperature; stopping at the model's end-of-sequence ids), or replay a workload of
     requests (--requests) with a prefix cache and chat sessions."""
@@ -82,9 +87,9 @@ def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, 
             raise click.UsageError("--requests replays its own prompts: leave out --prompt-ids and --prompt")
         return run_requests(out, requests_path, backend, from_ir, check, as_json, prefix_cache,
                             prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
-                            retention_policy, events_path, sampling)
-    if prefix_cache or events_path is not None:
-        raise click.UsageError("--prefix-cache and --events go with --requests")
+                            retention_policy, events_path, sampling, chunk_reuse, chunk_repair)
+    if prefix_cache or events_path is not None or chunk_reuse:
+        raise click.UsageError("--prefix-cache, --chunk-reuse and --events go with --requests")
     if (prompt_ids is None) == (text is None):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     tokenizer = load_tokenizer(out) if text is not None else None
@@ -138,7 +143,8 @@ class TextStreamer:
 
 
 def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool, as_json: bool, prefix_cache: bool,
-                 block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None, sampling) -> None:
+                 block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None, sampling,
+                 chunk_reuse: bool = False, chunk_repair: int | None = None) -> None:
     from kvc.cache.prefix import PrefixCache
     from kvc.cache.requests import read_requests
     from kvc.cache.serving import CachedPipeline, replay
@@ -147,6 +153,10 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     entries = read_requests(path)
     if events_path is not None and not prefix_cache:
         raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
+    if chunk_reuse and not prefix_cache:
+        raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
+    if chunk_repair is not None and not chunk_reuse:
+        raise click.UsageError("--chunk-repair goes with --chunk-reuse")
     needs_text = any(getattr(e, "prompt", None) is not None for e in entries)
     tokenizer = load_tokenizer(out) if needs_text else None
     pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
@@ -154,7 +164,13 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     if prefix_cache:
         cache = PrefixCache(block_size or pipeline.lengths.chunk or 1, max_blocks, max_bytes,
                             event_buffer_size=1 << 20 if events_path is not None else 0, policy=policy)
-    served = CachedPipeline(pipeline, cache)
+    chunks = None
+    if chunk_reuse:
+        from kvc.cache.chunks import ChunkReuse
+        from kvc.cache.moves import calibrate, model_config
+
+        chunks = ChunkReuse(calibrate(pipeline, model_config(out)), chunk_repair)
+    served = CachedPipeline(pipeline, cache, chunks)
     events: list[dict] = []
 
     def drain(result):
@@ -171,14 +187,20 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     if as_json:
         echo_json({"backend": backend, "requests": results, "cache": summary})
         return
-    click.echo(table(["id", "session", "prompt", "cached", "new", "TTFT ms", "TPOT ms"],
-                     [(r["id"], r["session"] or "-", r["prompt_tokens"], r["cached_tokens"], len(r["tokens"]),
+    approx = ["approx"] if chunk_reuse else []
+    click.echo(table(["id", "session", "prompt", "cached", *approx, "new", "TTFT ms", "TPOT ms"],
+                     [(r["id"], r["session"] or "-", r["prompt_tokens"], r["cached_tokens"],
+                       *([r["approximate_tokens"]] if chunk_reuse else []), len(r["tokens"]),
                        f"{r['ttft_ms']:.1f}", "-" if r["tpot_ms"] is None else f"{r['tpot_ms']:.2f}")
                       for r in results]))
     if summary is not None:
         click.echo(f"prefix cache: {len(summary['blocks'])} blocks, hit rate {summary['hit_rate']:.1%} "
                    f"({summary['hit_tokens']} of {summary['prompt_tokens']} prompt tokens), "
                    f"{summary['evicted_blocks']} evicted")
+    if chunk_reuse:
+        placed = sum(r["approximate_tokens"] for r in results)
+        click.echo(f"chunk reuse: {placed} prompt tokens placed from other positions (approximate: their rows were "
+                   f"computed after other text)")
 
 
 def metrics_line(m: dict, backend: str) -> str:

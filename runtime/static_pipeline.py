@@ -46,6 +46,7 @@ class StaticGeneration(Generation):
     step_seconds: list[float] = field(default_factory=list)  # wall time of each generate step
     prompt_logits: np.ndarray | None = None  # [n, V] prefill logits of the prompt positions (unsliced prefill)
     cached_tokens: int = 0  # prompt tokens whose KV rows were restored, not computed (prefix cache, chat session)
+    placed_tokens: int = 0  # prompt tokens whose rows were reused from another context: approximate (chunk reuse)
     finish_reason: str = "length"  # "stop": an end-of-sequence token ended it
     kv_rows: int = 0  # cache rows valid after the call: the prompt, then every generated token but the last
 
@@ -65,6 +66,7 @@ class StaticGeneration(Generation):
             "generate_ms": (self.prefill_seconds + float(np.sum(self.step_seconds))) * 1e3,
             "new_tokens": len(self.tokens),
             "cached_tokens": self.cached_tokens,
+            "approximate_tokens": self.placed_tokens,
             "finish_reason": self.finish_reason,
             "variants": sorted(set(self.variants)),
         }
@@ -131,9 +133,11 @@ class StaticPipeline:
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
 
-    def _prefill(self, prompt: np.ndarray, start: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-        """Fill the cache with the prompt from `start` on (rows before it are in place); return
-        the last position's logits and the computed positions' logits."""
+    def _prefill(self, prompt: np.ndarray, start: int = 0,
+                 skip: tuple[tuple[int, int], ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """Fill the cache with the prompt from `start` on (rows before it are in place, and so
+        are the rows of each `skip` span); return the last position's logits and the computed
+        positions' logits (None unless every position was computed)."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if not C:
             ids = np.full((1, P), self.pad_token, np.int64)
@@ -147,10 +151,10 @@ class StaticPipeline:
                 self._store(spec, out[spec.output], 0, slice(P - n, P))
             logits = out["logits"][0]
             return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
-        stored, rows = start, []
-        for begin in range(start, n, C):
-            chunk = prompt[begin:begin + C]
-            k = len(chunk)
+        rows = []
+        for begin, end in computed_spans(start, n, skip, C):
+            chunk = prompt[begin:end]
+            k, stored = len(chunk), begin  # every row before `begin` is in place
             ids = np.full((1, C), self.pad_token, np.int64)
             ids[0, C - k:] = chunk
             mask = np.zeros((1, P), np.int64)
@@ -163,8 +167,7 @@ class StaticPipeline:
                 self._store(spec, out[spec.output], stored, slice(C - k, C))
             logits = out["logits"][0]
             rows.append(logits[C - k:] if logits.shape[0] == C else None)
-            stored += k
-        prompt_logits = None if any(r is None for r in rows) else np.concatenate(rows)
+        prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
     def check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
@@ -206,7 +209,7 @@ class StaticPipeline:
                 self._store(spec, out[spec.output], stored)
         return out["logits"][0, -1], kept
 
-    def generate(self, prompt, new_tokens: int, *, reuse: int = 0, sampling: Sampling | None = None,
+    def generate(self, prompt, new_tokens: int, *, reuse: int = 0, placed=(), sampling: Sampling | None = None,
                  on_token=None) -> StaticGeneration:
         """Decoding (greedy unless `sampling` says otherwise): prefill, then one generate step
         per token on the smallest variant that holds the prompt and R (moving up a variant when
@@ -215,14 +218,21 @@ class StaticPipeline:
 
         `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
-        in chunks from there. It needs a chunked prefill and at least one token to compute."""
-        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse), sampling=sampling,
-                                on_token=on_token)
+        in chunks from there. It needs a chunked prefill and at least one token to compute.
+        `placed`: rows reused from another context (`prefill_prompt`)."""
+        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed),
+                                sampling=sampling, on_token=on_token)
 
-    def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0) -> "Prefilled":
+    def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0,
+                       placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = ()) -> "Prefilled":
         """The first half of `generate`: check the request and fill the cache with the prompt.
         `decode_from` finishes it, with the cache as this left it (or as `restore_rows` put
-        it back)."""
+        it back).
+
+        `placed`: (position, rows) pairs of KV rows to put at that position (after `reuse`,
+        in order, not overlapping, never the last prompt token's row); the prefill computes
+        only the positions no row covers, each chunk over everything before it (chunk-level
+        reuse, `kvc.cache.chunks`)."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
@@ -232,15 +242,26 @@ class StaticPipeline:
         if reuse and not 0 < reuse < n:
             raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
                              f"the last prompt token must be computed")
-        if reuse and not L.chunk:
+        if (reuse or placed) and not L.chunk:
             raise UsageError("reusing KV rows needs a chunked prefill (compile with --prefill-chunk-size)")
+        skip, end = [], reuse
+        for at, rows in placed:
+            count = next(iter(rows.values())).shape[self.kv[0].seq_axis] if rows else 0
+            if at < end or at + count > n - 1 or count < 1:
+                raise UsageError(f"placed KV rows [{at}, {at + count}) must follow the restored and placed rows "
+                                 f"before them (up to {end}) and leave the last prompt token ({n - 1}) to compute")
+            skip.append((at, at + count))
+            end = at + count
         for spec in self.kv:  # in place: sessions hold views of these buffers
             self.buffers[spec.input][self._rows(spec, reuse, spec.shape[spec.seq_axis])] = 0
-        gen = StaticGeneration(prompt=[int(t) for t in prompt], cached_tokens=reuse)
+        for at, rows in placed:
+            self.restore_rows(rows, at)
+        gen = StaticGeneration(prompt=[int(t) for t in prompt], cached_tokens=reuse,
+                               placed_tokens=sum(b - a for a, b in skip))
         started = time.perf_counter()
-        last, gen.prompt_logits = self._prefill(prompt, reuse)
+        last, gen.prompt_logits = self._prefill(prompt, reuse, tuple(skip))
         gen.prefill_seconds = time.perf_counter() - started
-        if reuse:
+        if reuse or skip:
             gen.prompt_logits = None  # the restored positions' logits were not computed
         gen.first_logits = gen.prompt_logits
         gen.kv_rows = n
@@ -273,6 +294,16 @@ class StaticPipeline:
             gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
+
+
+def computed_spans(start: int, n: int, skip, chunk: int):
+    """The (begin, end) chunk calls that compute positions `[start, n)` except the `skip`
+    spans (sorted, disjoint): each gap in chunks of at most `chunk` tokens."""
+    begin = start
+    for a, b in (*skip, (n, n)):
+        for at in range(begin, a, chunk):
+            yield at, min(at + chunk, a)
+        begin = b
 
 
 @dataclass

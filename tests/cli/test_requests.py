@@ -93,7 +93,7 @@ def test_prefix_cache_needs_a_chunked_prefill_and_the_options_need_requests(tmp_
     kvc("compile", "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "0", "-o", out)
     path = workload(tmp_path / "w.jsonl", [{"prompt_ids": [1, 2, 3]}])
     assert "needs a chunked prefill" in kvc("run", out, "--requests", path, "--prefix-cache", code=2).output
-    assert "--prefix-cache and --events go with --requests" in kvc("run", out, "--prompt-ids", "1", "--prefix-cache",
+    assert "--prefix-cache, --chunk-reuse and --events go with --requests" in kvc("run", out, "--prompt-ids", "1", "--prefix-cache",
                                                                    code=2).output
     assert "leave out --prompt-ids" in kvc("run", out, "--requests", path, "--prompt-ids", "1", code=2).output
     # sessions work without the prefix cache (each turn prefills all of it on an unchunked prefill)
