@@ -4,9 +4,12 @@ Anchors: the layer's cache as it enters (a stateful model's ReadValue of the lay
 variables; a stateless model's ``past_key_values.<L>.*`` Parameters) and as it leaves (the
 Assigns of those variables; the ``present.<L>.*`` Results). The rules:
 
+* a model without cache inputs (an unchunked prefill) starts instead where each exit's chain
+  of single-consumer ops branches off (this step's keys and values on their way to attention);
 * from each entry anchor, the first attention op downstream is its target: a
   ScaledDotProductAttention, or a MatMul (the cache never meets a weight MatMul before
   attention, so the first MatMul is Q·Kᵀ for the key and P·V for the value);
+* an unfused attention is followed from Q·Kᵀ through its Softmax to the next MatMul (P·V);
 * drawn: every op on a path from an entry anchor to a target, on a path between targets (the
   Softmax of an unfused attention), and on a path from those or their direct inputs to an exit
   anchor (a present output computed from this step's keys);
@@ -98,12 +101,19 @@ def _port_anchors(model, naming, inputs, outputs) -> tuple[list[str], list[str]]
 def _subgraph(g: nx.MultiDiGraph, entry: list[str], exit_: list[str]) -> Subgraph:
     flow = g.subgraph([k for k, d in g.nodes(data=True) if d["type"] not in SKIP])
     entry, exit_ = sorted(set(entry)), sorted(set(exit_))
+    sources = entry or _branch_points(flow, exit_)
     targets = set()
-    for anchor in entry:
+    for anchor in sources:
         hit = next((n for n in nx.bfs_tree(flow, anchor) if n != anchor and flow.nodes[n]["type"] in ATTENTION), None)
         if hit is not None:
             targets.add(hit)
-    drawn = _on_paths(flow, set(entry), targets) | _on_paths(flow, targets, targets) | set(entry)
+    for qk in sorted(t for t in targets if flow.nodes[t]["type"] == "MatMul"):  # on through Softmax to P·V
+        softmax = next((n for n in nx.bfs_tree(flow, qk, depth_limit=8) if flow.nodes[n]["type"] == "Softmax"), None)
+        if softmax is not None:
+            pv = next((n for n in nx.bfs_tree(flow, softmax, depth_limit=8) if flow.nodes[n]["type"] == "MatMul"), None)
+            if pv is not None:
+                targets.add(pv)
+    drawn = _on_paths(flow, set(sources), targets) | _on_paths(flow, targets, targets) | set(sources)
     around = drawn | {p for n in drawn - set(entry) for p in flow.predecessors(n)}
     drawn |= _on_paths(flow, around, set(exit_)) | set(exit_)
     drawn, omitted = _nearest(flow, drawn, set(entry) | set(exit_))
@@ -120,6 +130,20 @@ def _subgraph(g: nx.MultiDiGraph, entry: list[str], exit_: list[str]) -> Subgrap
     keys = {n.key for n in nodes}
     edges = sorted({(a, b) for a, b in flow.edges() if a in keys and b in keys and b in drawn})
     return Subgraph(tuple(nodes), tuple(edges), omitted)
+
+
+def _branch_points(g, exits: list[str]) -> list[str]:
+    """Where this step's cache rows leave for attention, for a model without past inputs (an
+    unchunked prefill): up each exit's chain of single-consumer ops to the first op whose
+    output also goes elsewhere."""
+    points = set()
+    for e in exits:
+        node = next(iter(g.predecessors(e)), None)
+        while node is not None and g.out_degree(node) == 1 and g.in_degree(node) >= 1:
+            node = next(iter(sorted(g.predecessors(node))))
+        if node is not None:
+            points.add(node)
+    return sorted(points)
 
 
 def _on_paths(g, sources: set[str], sinks: set[str]) -> set[str]:

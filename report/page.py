@@ -266,6 +266,8 @@ def _graphs(d: ReportData) -> str:
 
 VERIFY_COLUMNS = ("prompt_tokens", "new_tokens", "ok", "max_abs", "nrmse", "top1", "first_divergent_token",
                   "margin_at_divergence", "noise", "reason")
+VERIFY_HEADERS = ("prompt tokens", "new tokens", "ok", "max abs", "NRMSE", "top-1", "first divergent token",
+                  "margin there", "noise before", "verdict")
 
 
 def _verification(d: ReportData) -> str:
@@ -277,11 +279,11 @@ def _verification(d: ReportData) -> str:
         parts.append(f"<h3>The static IR against the source</h3><p>{_t(v.get('against', ''))}; "
                      f"overall: {'<span class=ok>ok</span>' if v.get('ok') is True else '<span class=bad>FAILED</span>'}"
                      f"</p>")
-        parts.append(_table(["backend", *VERIFY_COLUMNS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
+        parts.append(_table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
                                                            for r in v["results"]]))
     if blob_rows:
         parts.append("<h3>Every blob, imported as kvc run imports it, against the IR</h3>")
-        parts.append(_table(["device", "variants", *VERIFY_COLUMNS],
+        parts.append(_table(["device", "variants", *VERIFY_HEADERS],
                             [[r.get("device"), r.get("variants"), *(r.get(c) for c in VERIFY_COLUMNS)]
                              for r in blob_rows]))
     parts.append("<h3>Per step</h3>")

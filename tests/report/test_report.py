@@ -185,3 +185,42 @@ def test_the_escaping_check_catches_unescaped_names(hostile, monkeypatch):
 
     monkeypatch.setattr(svg, "_t", str)
     assert HOSTILE in page.render(collect(hostile[0]))
+
+
+def test_an_unchunked_prefill_and_another_layer_are_drawn(tmp_path):
+    """A prefill without a chunk has no past inputs: its picture starts where this step's keys
+    and values branch off to attention and present; --layer picks the layer."""
+    out = tmp_path / "out"
+    kvc("compile", "-o", out, "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "0",
+        "--no-verify")
+    kvc("report", out, "--layer", "1")
+    html = (out / "report.html").read_text()
+    figures = dict(re.findall(r'<figure class="subgraph"><figcaption>([^:<]*)[^<]*</figcaption>(.*?)</figure>', html,
+                              re.S))
+    assert list(figures) == ["before lifting", "final prefill model (layer 1)", "final generate-128 model (layer 1)"]
+    prefill = figures["final prefill model (layer 1)"]
+    assert '<g class="node past">' not in prefill and prefill.count('<g class="node present">') == 2
+    attention = re.findall(r'<g class="node attention">.*?class="op">(\w+)<', prefill)
+    assert sorted(attention) == ["MatMul", "MatMul", "Softmax"]  # Q·Kᵀ, Softmax, P·V
+    assert "past_key_values.1.key" in figures["final generate-128 model (layer 1)"]
+    assert "past_key_values.0.key" not in figures["final generate-128 model (layer 1)"]
+
+
+def test_per_step_numbers_and_their_plot():
+    """Per step: the largest logit error, the reference's top-two margin, the tokens; the plot
+    marks the first differing token and shades the steps after it."""
+    import numpy as np
+
+    from kvc.report.collect import per_step
+    from kvc.report.svg import steps_svg
+    from kvc.runtime.generate import Generation
+
+    ref = Generation([7], tokens=[2, 1, 0], logits=[np.array([0, 1, 3.0]), np.array([0, 2, 1.5]), np.array([4, 0, 0.0])])
+    got = Generation([7], tokens=[2, 2, 0], logits=[np.array([0, 1.25, 3.0]), np.array([0, 1.5, 2]), np.array([4, 0, 0.0])])
+    steps = per_step(ref, got)
+    assert steps == {"error": [0.25, 0.5, 0.0], "margin": [2.0, 0.5, 4.0], "same_token": [True, False, True],
+                     "compared": 2}
+    svg = steps_svg({"prompt_tokens": 3, "new_tokens": 3, **steps}, "t")
+    assert svg.count('<path class="flip"') == 1 and "step 1: the token differs" in svg
+    assert '<rect class="after"' in svg
+    assert '<rect class="after"' not in steps_svg({**steps, "same_token": [True] * 3, "compared": 3}, "t")
