@@ -259,8 +259,9 @@ def read_record(dumps: Path) -> tuple[list[dict] | None, list[dict] | None, str]
     part that is not there (dumps from an older kvc, or from `--dump-dir`)."""
     phases = probes = None
     against = ""
-    if (dumps / TIMINGS).is_file():
-        data = _read_json(dumps / TIMINGS)
+    data = _read_json(dumps / TIMINGS) if (dumps / TIMINGS).is_file() else None
+    if data is not None and not (isinstance(data, list) and (dumps / "index.json").is_file()):
+        # (a list beside an index.json: a single pipeline's pass timings, not a compile's phases)
         rows = data.get("phases") if isinstance(data, dict) else None
         if not isinstance(rows, list) or not all(
                 isinstance(r, dict) and isinstance(r.get("phase"), str) and _int(r.get("bytes"))
@@ -347,7 +348,12 @@ def _pictures(directory: Path, manifest: dict, plan, source, layer: int) -> list
 
     pictures = []
     title = f"before lifting: the source model (layer {layer})"
+    recorded = manifest["source"]
     try:
+        if source is None and not (isinstance(recorded, dict) and isinstance(recorded.get("path"), str)
+                                   and isinstance(recorded.get("sha256"), dict)):
+            raise InvalidModelError("bad-manifest", str(directory / "manifest.json"), "its source is malformed",
+                                    expected='{"path": str, "sha256": {file: hash}}')
         path = Path(source) if source is not None else recorded_source(manifest, directory)
         pictures.append(Picture(title, kv_subgraph_source(load(path), layer, str(path))))
     except KvcError as exc:

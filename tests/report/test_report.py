@@ -224,3 +224,13 @@ def test_per_step_numbers_and_their_plot():
     assert svg.count('<path class="flip"') == 1 and "step 1: the token differs" in svg
     assert '<rect class="after"' in svg
     assert '<rect class="after"' not in steps_svg({**steps, "same_token": [True] * 3, "compared": 3}, "t")
+
+
+def test_one_branch_of_dumps_can_be_given(compiled, tmp_path):
+    """--dumps DIR: any dump directory, here a single pipeline's (its timings.json lists passes,
+    not the compile's phases)."""
+    out = compiled[0]
+    kvc("report", out, "--dumps", out / "dumps" / "prefill", "-o", tmp_path / "r.html")
+    doc = Elements((tmp_path / "r.html").read_text())
+    assert {a["data-branch"] for t, a in doc.tags if "data-branch" in a} == {"prefill"}
+    assert "the time and bytes of each compile phase are recorded" in " ".join(doc.text)
