@@ -19,8 +19,9 @@ one chunk of seeded tokens at positions 0.. and again shifted by the largest mov
 pipeline can make. In a model whose keys carry position only by rotation, the shift changes
 no attention score, so every value row must come out equal and every key row equal to the
 first run's key rotated by the shift. Each layer takes the first of no-move or a rotary
-reading of the config that explains its keys (NRMSE <= MOVE_TOLERANCE); a value that moved,
-or a key no candidate explains, refuses chunk reuse naming the layer and the error. A model
+reading of the config that explains its keys (relative RMS error <= MOVE_TOLERANCE); a value
+that moved, or a key no candidate explains, refuses chunk reuse naming the layer and the
+error. A model
 without a `position_ids` input (positions derived from the mask, ALiBi) cannot be shifted
 this way and is refused, as is int8 KV (rotating needs dequantized keys).
 """
@@ -33,8 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvc.errors import UsageError
+from kvc.runtime.ops.registry import to_dtype
 
-MOVE_TOLERANCE = 1e-2  # NRMSE of a moved row against the row computed there (f16 KV: ~1e-3)
+MOVE_TOLERANCE = 1e-2  # RMS error of a moved row, relative to the RMS of the row computed there (f16 KV: ~1e-3)
 
 
 class ChunkReuseRefused(UsageError):
@@ -130,7 +132,8 @@ def candidates(config: dict, head_dim: int) -> list[Rotary]:
     return found
 
 
-def nrmse(got: np.ndarray, want: np.ndarray) -> float:
+def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    """RMS of `got - want` over the RMS of `want` (not compare.nrmse, which divides by the range)."""
     want = want.astype(np.float64)
     scale = float(np.sqrt(np.mean(want ** 2))) or 1.0
     return float(np.sqrt(np.mean((got.astype(np.float64) - want) ** 2))) / scale
@@ -142,7 +145,7 @@ class Mover:
 
     rotations: dict  # key input name -> Rotary | None (None: the rows move unchanged)
     checked_shift: int
-    errors: dict  # tensor input name -> NRMSE of the calibration move
+    errors: dict  # tensor input name -> relative RMS error of the calibration move
 
     def move(self, rows: dict[str, np.ndarray], delta: int) -> dict[str, np.ndarray]:
         if delta == 0:
@@ -154,8 +157,15 @@ class Mover:
         return out
 
     def describe(self) -> list[str]:
-        return [f"{name}: {'unchanged' if r is None else r.describe()} (calibration NRMSE {self.errors[name]:.2g})"
+        return [f"{name}: {'unchanged' if r is None else r.describe()} "
+                f"(calibration relative RMS error {self.errors[name]:.2g})"
                 for name, r in self.rotations.items()]
+
+
+def _past_shape(spec, rows: int) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    shape[spec.seq_axis] = rows
+    return tuple(shape)
 
 
 def model_config(directory) -> dict | None:
@@ -175,8 +185,11 @@ def model_config(directory) -> dict | None:
     return config
 
 
-def calibrate(pipeline, config: dict | None, seed: int = 0) -> Mover:
-    """Decide, by running the pipeline's prefill, how each layer's rows move (module docstring)."""
+def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover:
+    """Decide, by running the prefill, how each layer's rows move (module docstring). `exact`:
+    a session of the same prefill model on an exact engine (kvc's numpy runtime) to run the
+    check on instead of the pipeline's own, whose reduced-precision arithmetic (bf16 CPU
+    blobs) moves deep layers' rows by more than the tolerance."""
     L = pipeline.lengths
     if not L.chunk:
         raise ChunkReuseRefused("chunk reuse needs a chunked prefill (compile with --prefill-chunk-size)")
@@ -191,21 +204,25 @@ def calibrate(pipeline, config: dict | None, seed: int = 0) -> Mover:
     ids = rng.integers(1, pipeline.vocab or 2, C).reshape(1, C)
     mask = np.zeros((1, P), np.int64)
     mask[0, P - C:] = 1
+    session = exact or pipeline.prefill
+    pasts = {} if exact is None else {s.input: np.zeros(_past_shape(s, P - C), to_dtype(s.element_type))
+                                      for s in pipeline.kv}
     runs = []
     for offset in (0, shift):
         pos = np.arange(offset, offset + C, dtype=np.int64).reshape(1, C)
-        out = pipeline.prefill.infer(pipeline._feed(pipeline.prefill, ids, mask, pos))
+        out = session.infer({**pipeline._feed(session, ids, mask, pos), **pasts})
         runs.append({s.input: np.array(out[s.output]) for s in pipeline.kv})
     first, shifted = runs
     rotations, errors = {}, {}
     for spec in sorted(pipeline.kv, key=lambda s: s.kind == "key"):  # values first: they say "absolute"
         a, b = first[spec.input], shifted[spec.input]
         if spec.kind != "key":
-            errors[spec.input] = nrmse(a, b)
+            errors[spec.input] = relative_rms(a, b)
             if errors[spec.input] > MOVE_TOLERANCE:
                 raise ChunkReuseRefused(
                     f"layer {spec.layer}'s {spec.kind}s change when the whole chunk moves by {shift} positions "
-                    f"(NRMSE {errors[spec.input]:.2g}): the model mixes absolute positions into its hidden states, "
+                    f"(relative RMS error {errors[spec.input]:.2g}): the model mixes absolute positions into its "
+                    f"hidden states, "
                     f"so rows computed at one position cannot be used at another")
             continue
         if spec.seq_axis != len(spec.shape) - 2:
@@ -219,7 +236,7 @@ def calibrate(pipeline, config: dict | None, seed: int = 0) -> Mover:
         tried = []
         for rotary in options:
             moved = a if rotary is None else rotary.rotate(a, shift)
-            err = nrmse(moved, b)
+            err = relative_rms(moved, b)
             tried.append((err, rotary))
             if err <= MOVE_TOLERANCE:
                 rotations[spec.input], errors[spec.input] = rotary, err
@@ -229,6 +246,6 @@ def calibrate(pipeline, config: dict | None, seed: int = 0) -> Mover:
             what = "unchanged" if best[1] is None else best[1].describe()
             raise ChunkReuseRefused(
                 f"layer {spec.layer}'s keys moved by {shift} positions match no rotation kvc reads from the "
-                f"model's config.json (closest: {what}, NRMSE {best[0]:.2g} > {MOVE_TOLERANCE})"
+                f"model's config.json (closest: {what}, relative RMS error {best[0]:.2g} > {MOVE_TOLERANCE})"
                 + ("" if config is not None else "; the compiled directory has no config.json"))
     return Mover({s.input: rotations[s.input] for s in pipeline.kv if s.input in rotations}, shift, errors)

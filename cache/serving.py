@@ -179,7 +179,8 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
             raise type(exc)(f"{source}:{entry.line}: {what}: {exc}") from None
         m = gen.metrics()
         result = {"id": entry.id, "line": entry.line, "session": entry.session, "prompt_tokens": len(ids),
-                  "cached_tokens": gen.cached_tokens, "approximate_tokens": gen.placed_tokens, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
+                  "cached_tokens": gen.cached_tokens, "approximate_tokens": gen.placed_tokens, "tokens": gen.tokens,
+                  "finish_reason": gen.finish_reason,
                   "ttft_ms": m["ttft_ms"],
                   "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"]}
         results.append(result)

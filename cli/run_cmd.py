@@ -168,8 +168,10 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     if chunk_reuse:
         from kvc.cache.chunks import ChunkReuse
         from kvc.cache.moves import calibrate, model_config
+        from kvc.export.load import model_session
 
-        chunks = ChunkReuse(calibrate(pipeline, model_config(out)), chunk_repair)
+        exact = None if backend == "numpy" else model_session(out, "prefill", "numpy")
+        chunks = ChunkReuse(calibrate(pipeline, model_config(out), exact=exact), chunk_repair)
     served = CachedPipeline(pipeline, cache, chunks)
     events: list[dict] = []
 

@@ -104,6 +104,17 @@ def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: boo
     return pipeline_from(directory, manifest, backend, from_ir=from_ir)
 
 
+def model_session(directory: str | Path, name: str, backend: str = "numpy") -> Session:
+    """One model of a compiled directory (files checked by size) on `backend`, unbound: its
+    past inputs are fed, not shared buffers."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_files(directory, manifest)
+    if name not in manifest["models"]:
+        raise UsageError(f"{directory}: no model {name!r} (models: {', '.join(manifest['models'])})")
+    return _session(directory, manifest, name, backend, from_ir=False)
+
+
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
                   lazy: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
