@@ -49,7 +49,7 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, rep
     for note in static.lengths().notes:
         progress(f"note: {note}")
     with contextlib.ExitStack() as stack:
-        recorder = None
+        recorder, temporary = None, False
         if report is not None or dumps:  # with --dumps, recorded beside them for a later `kvc report OUT`
             from kvc.report import CompileRecorder
 
@@ -57,6 +57,7 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, rep
         if report is not None and not dumps and instrumentation.dump_dir is None:  # the passes, for the page only
             instrumentation = dataclasses.replace(
                 instrumentation, dump_dir=Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvc-report-"))))
+            temporary = True
         options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
                                  dumps=dumps, instrumentation=instrumentation, recorder=recorder)
         manifest = compile_to(path, out, options, progress=lambda m: progress(m.replace(str(path), name)))
@@ -64,7 +65,9 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, rep
             from kvc.report import write_report
 
             write_report(out, report, dumps=out / "dumps" if dumps else instrumentation.dump_dir,
-                         record=recorder.to_dict(), source=path)
+                         record=recorder.to_dict(), source=path,
+                         dumps_label="a temporary directory, removed after the compile (--dumps keeps them in "
+                                     "OUT/dumps)" if temporary else None)
             progress(f"report: {report}")
     if as_json:
         echo_json(manifest)

@@ -173,6 +173,7 @@ class ReportData:
     probes: list[dict] | None = None
     probes_against: str = ""
     pictures: list[Picture] = field(default_factory=list)
+    dumps_label: str | None = None
 
 
 def _bad_dumps(path: Path, reason: str, found=None) -> InvalidModelError:
@@ -294,11 +295,13 @@ def model_order(names) -> list[str]:
 
 
 def collect(directory: str | Path, *, dumps: str | Path | None = None, record: dict | None = None,
-            source: str | Path | None = None, layer: int = 0, pictures: bool = True) -> ReportData:
+            source: str | Path | None = None, layer: int = 0, pictures: bool = True,
+            dumps_label: str | None = None) -> ReportData:
     """Everything the page shows. `dumps`: a dump directory (default OUT/dumps when it
     exists); `record`: a `CompileRecorder.to_dict()` (default: read from the dumps); `source`:
     the model before lifting (default: the manifest's source, when it is still there and
-    unchanged); `layer`: whose KV subgraph to draw."""
+    unchanged); `layer`: whose KV subgraph to draw; `dumps_label`: how the page names the dump
+    directory (a temporary one is gone when the page is read)."""
     from kvc.export.manifest import check_files, plan_of, read_manifest
 
     directory = Path(directory)
@@ -312,7 +315,8 @@ def collect(directory: str | Path, *, dumps: str | Path | None = None, record: d
         raise UsageError(f"--layer {layer}: the plan's KV cache has layers {layers[0]} to {layers[-1]}")
     if dumps is None and (directory / "dumps").is_dir():
         dumps = directory / "dumps"
-    data = ReportData(directory, manifest, layer, None, Path(dumps) if dumps is not None else None)
+    data = ReportData(directory, manifest, layer, None, Path(dumps) if dumps is not None else None,
+                      dumps_label=dumps_label)
     if dumps is not None:
         dumps = Path(dumps)
         if not dumps.is_dir():

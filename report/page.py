@@ -231,8 +231,8 @@ def _branch(b: Branch, where: str) -> str:
 def _passes(d: ReportData) -> str:
     body = []
     if d.branches:
-        where = "OUT/dumps" if d.dumps is not None and d.dumps.resolve() == (d.directory / "dumps").resolve() \
-            else str(d.dumps)
+        where = d.dumps_label or ("OUT/dumps" if d.dumps is not None
+                                  and d.dumps.resolve() == (d.directory / "dumps").resolve() else str(d.dumps))
         body.append('<p><button type="button" data-toggle="open">expand all</button>'
                     '<button type="button" data-toggle="close">collapse all</button> '
                     f"Each pass with its op-count delta (from the dumps' index.json) and its IR diff; "
