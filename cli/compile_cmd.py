@@ -32,9 +32,13 @@ from kvc.cli.render import echo_json, human_bytes, table
 @click.option("--report", "report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write one self-contained HTML page about this compile (docs/report.md); "
                    "kvc report OUT writes it later, completely when compiled with --dumps.")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Take P, R, the prefill chunk and the variants from a plan written by kvc plan -o.")
 @ir_print_options
 @json_option
-def compile_(model, out, devices, inference_precision, verify, dumps, force, report, as_json, **kwargs):
+@click.pass_context
+def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force, report, plan_path, as_json,
+             **kwargs):
     """Compile MODEL into static prefill and generate models for an NPU, with blobs and a manifest.
 
     MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
@@ -42,6 +46,8 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, rep
     """
     from kvc.export.compile import CompileOptions, compile_to
 
+    if plan_path is not None:
+        apply_plan(ctx, kwargs, plan_path)
     static = pop_static(kwargs, devices, inference_precision)
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
@@ -73,6 +79,24 @@ def compile_(model, out, devices, inference_precision, verify, dumps, force, rep
         echo_json(manifest)
         return
     render_summary(out, manifest, name)
+
+
+PLANNED = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants")
+
+
+def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
+    """Put a plan's lengths in place of the options; an option given too is a conflict."""
+    from kvc.planner import read_plan
+
+    given = [k for k in PLANNED if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"--plan sets {', '.join('--' + k.replace('_', '-') for k in given)}: give one or the "
+                               f"other")
+    lengths = read_plan(path)
+    kwargs.update({k: lengths[k] for k in PLANNED[:3]})
+    kwargs["variants"] = ",".join(map(str, lengths["variants"]))
+    progress(f"plan {path}: P {lengths['max_prompt_len']}, R {lengths['min_response_len']}, chunk "
+             f"{lengths['prefill_chunk_size'] or 'none'}, variants {kwargs['variants']}")
 
 
 def source_name(path: Path, bundled: bool) -> str:

@@ -60,11 +60,12 @@ def _register() -> None:
     from kvc.cli.diff_cmd import diff
     from kvc.cli.inspect_cmd import inspect
     from kvc.cli.passes_cmd import passes
+    from kvc.cli.plan_cmd import plan
     from kvc.cli.report_cmd import report
     from kvc.cli.run_cmd import run
     from kvc.cli.verify_cmd import verify
 
-    for command in (compile_, run, verify, bisect, diff, inspect, passes, report):
+    for command in (compile_, run, verify, bisect, diff, inspect, passes, report, plan):
         cli.add_command(command)
 
 

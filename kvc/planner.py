@@ -1,0 +1,378 @@
+"""`kvc plan`: the lengths, prefill chunk and generate variants that serve a workload fastest.
+
+Inputs:
+
+* a workload: prompt and response lengths, from a requests file (`kvc run --requests`'s JSONL;
+  text prompts tokenized with the model's tokenizer) or a histogram (JSON:
+  ``{"requests": [[prompt_len, response_len, count], ...]}``);
+* the cost of the static models on the target (`Costs`): milliseconds of a prefill call by
+  the tokens it takes, of a generate step by the variant size, seconds to compile a model and
+  bytes it holds once compiled. Measured by kvc on this machine (`measure_costs`: real static
+  models of the model at a few sizes, compiled for the device and timed), cached, or given;
+* a budget: models (blobs per device, the prefill counted), compile seconds, device memory.
+
+The model of a request of n prompt and m new tokens (the runtime's rules,
+kvc.runtime.static_pipeline): the prefill costs ceil(n / C) calls of C tokens (one call of P
+tokens without a chunk); decode step k (k = 1..m-1) runs on the smallest variant T with
+T >= n + R and T >= n + k. Costs between measured sizes are interpolated linearly. P is the
+smallest multiple of 64 (and of C) that takes every prompt, R the smallest that gives every
+request its tokens (P + R >= n + m - 1), so no request of the workload is refused. The plan
+minimizes the mean time per request (TTFT + decode) over the chunk and the variant set within
+the budget, and is printed beside `single` and `pyramid` as a user gets them without it: the
+default chunk, and the default P and R when they serve the workload. A plan file (`-o plan.json`) is what
+`kvc compile --plan` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvc.errors import UsageError
+from kvc.plan import DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN, NPUW_ALIGN, plan_lengths
+
+PLAN_FORMAT = "kvc-plan/1"
+COSTS_FORMAT = "kvc-costs/1"
+MAX_VARIANT_CANDIDATES = 40
+
+
+def _align(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+# -- workloads -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    prompts: np.ndarray  # prompt lengths, one per request
+    responses: np.ndarray  # new tokens, one per request
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) == 0:
+            raise UsageError(f"{self.source or 'the workload'}: no requests")
+
+    def summary(self) -> dict:
+        return {"source": self.source, "requests": int(len(self.prompts)),
+                "prompt_tokens": {"mean": float(self.prompts.mean()), "max": int(self.prompts.max())},
+                "new_tokens": {"mean": float(self.responses.mean()), "max": int(self.responses.max())}}
+
+
+def load_workload(path: str | Path, encode=None) -> Workload:
+    """A requests file (.jsonl) or a histogram (.json), checked; `encode` tokenizes text prompts."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return _histogram(path)
+    from kvc.cache.requests import Request, read_requests
+
+    prompts, responses = [], []
+    for entry in read_requests(path):
+        if not isinstance(entry, Request):
+            continue
+        if entry.prompt_ids is not None:
+            n = len(entry.prompt_ids)
+        elif encode is None:
+            raise UsageError(f"{path}:{entry.line}: a text prompt needs the model's tokenizer (tokenizer.json)")
+        else:
+            n = len(encode(entry.prompt))
+        prompts.append(n)
+        responses.append(entry.max_new_tokens)
+    return Workload(np.asarray(prompts, np.int64), np.asarray(responses, np.int64), str(path))
+
+
+def _histogram(path: Path) -> Workload:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable JSON histogram ({exc})") from None
+    rows = data.get("requests") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise UsageError(f'{path}: expected {{"requests": [[prompt_len, response_len, count], ...]}}')
+    prompts, responses = [], []
+    for i, row in enumerate(rows):
+        ok = (isinstance(row, list) and len(row) == 3
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in row) and row[0] >= 1 and row[1] >= 1
+              and 1 <= row[2] <= 1_000_000)
+        if not ok:
+            raise UsageError(f"{path}: requests[{i}] must be [prompt_len >= 1, response_len >= 1, count 1-1e6], "
+                             f"found {json.dumps(row)[:60]}")
+        prompts += [row[0]] * row[2]
+        responses += [row[1]] * row[2]
+    return Workload(np.asarray(prompts, np.int64), np.asarray(responses, np.int64), str(path))
+
+
+# -- costs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Costs:
+    """Measured (or given) costs on one target: points of a piecewise-linear model."""
+
+    call_ms: dict  # tokens per prefill call -> ms
+    step_ms: dict  # generate variant size -> ms per step
+    compile_s: float = 0.0  # seconds to compile one static model
+    model_bytes: int = 0  # bytes one compiled model holds on the device (packed weights)
+    target: dict = field(default_factory=dict)  # device, precision, OpenVINO version, model hashes
+
+    def __post_init__(self) -> None:
+        for name in ("call_ms", "step_ms"):
+            points = getattr(self, name)
+            if not isinstance(points, dict) or not points or not all(
+                    int(k) >= 1 and isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)
+                    for k, v in points.items()):
+                raise UsageError(f"costs: {name} must map sizes >= 1 to finite milliseconds >= 0, found {points!r}")
+
+    def call(self, tokens) -> np.ndarray:
+        return _interpolate(self.call_ms, tokens)
+
+    def step(self, size) -> np.ndarray:
+        return _interpolate(self.step_ms, size)
+
+    def to_dict(self) -> dict:
+        return {"format": COSTS_FORMAT, "call_ms": {str(k): v for k, v in sorted(self.call_ms.items())},
+                "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "compile_s": self.compile_s,
+                "model_bytes": self.model_bytes, "target": self.target}
+
+    @classmethod
+    def from_dict(cls, d, where: str = "costs") -> "Costs":
+        if not isinstance(d, dict) or d.get("format") != COSTS_FORMAT:
+            raise UsageError(f"{where}: not a kvc costs file (format {COSTS_FORMAT})")
+        try:
+            return cls({int(k): float(v) for k, v in d["call_ms"].items()},
+                       {int(k): float(v) for k, v in d["step_ms"].items()},
+                       float(d.get("compile_s", 0.0)), int(d.get("model_bytes", 0)), dict(d.get("target", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UsageError(f"{where}: malformed costs ({type(exc).__name__}: {exc})") from None
+
+
+def _interpolate(points: dict, x) -> np.ndarray:
+    xs = np.array(sorted(points), np.float64)
+    ys = np.array([points[k] for k in sorted(points)], np.float64)
+    x = np.asarray(x, np.float64)
+    if len(xs) == 1:
+        return np.full_like(x, ys[0])
+    y = np.interp(x, xs, ys)
+    hi = x > xs[-1]
+    y = np.where(hi, ys[-1] + (x - xs[-1]) * max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])), y)
+    lo = x < xs[0]
+    return np.where(lo, np.maximum(0.0, ys[0] - (xs[0] - x) * max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))), y)
+
+
+def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=None, repeats: int = 5) -> Costs:
+    """Build the model's static prefill at three chunk sizes and generate models at three
+    sizes (within the positions it was built for), compile each for `device` as `kvc compile`
+    does, and time its calls (median of `repeats` after one warm-up)."""
+    import openvino as ov
+
+    from kvc.export.build import build_static
+    from kvc.export.compile import device_config, model_max_positions
+    from kvc.export.manifest import openvino_version, source_hashes
+    from kvc.ir.reader import core, load, resolve
+    from kvc.plan import StaticOptions
+
+    say = progress or (lambda message: None)
+    path = Path(model)
+    stated = model_max_positions(resolve(path).root)
+    top = min(2048, stated[1] if stated else 2048)
+    P = R = max(NPUW_ALIGN, top // 2 // NPUW_ALIGN * NPUW_ALIGN)
+    chunks = sorted({c for c in (32, 128, 512) if c <= P})
+    sizes = sorted({min(256, P + R), (P + R) // 2 // NPUW_ALIGN * NPUW_ALIGN or P + R, P + R})
+    config = device_config(device, for_export=False, precision=precision)
+    call_ms, step_ms, compile_s, model_bytes = {}, {}, [], []
+    for i, chunk in enumerate(chunks):
+        options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunk < P else 0,
+                                variants=tuple(sizes) if i == 0 else "single")
+        static = build_static(load(path), options, use_env=False)
+        names = ["prefill"] + ([f"generate-{s}" for s in sizes] if i == 0 else [])
+        for name in names:
+            say(f"measuring: {name} (chunk {chunk})" if name == "prefill" else f"measuring: {name}")
+            before = _rss()
+            started = time.perf_counter()
+            compiled = core().compile_model(static.models[name], device, config)
+            compile_s.append(time.perf_counter() - started)
+            model_bytes.append(max(0, _rss() - before))
+            request = compiled.create_infer_request()
+            feed = {}
+            for port in compiled.inputs:
+                shape, name_ = list(port.get_shape()), port.get_any_name()
+                value = np.zeros(shape, port.get_element_type().to_dtype())
+                if name_ == "attention_mask":
+                    value[..., -1:] = 1
+                feed[port] = value
+            times = []
+            for r in range(repeats + 1):
+                started = time.perf_counter()
+                request.infer(feed)
+                if r:
+                    times.append(1e3 * (time.perf_counter() - started))
+            if name == "prefill":
+                call_ms[chunk] = float(np.median(times))
+            else:
+                step_ms[int(name.split("-")[1])] = float(np.median(times))
+            del request, compiled
+        del static
+    target = {"device": device, "precision": precision, "openvino": openvino_version(),
+              "model": source_hashes(path)}
+    return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target)
+
+
+def _rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -- the model of a request ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    max_models: int = 2  # blobs per device, the prefill counted: one prefill and one generate, as NPUW's default
+    max_compile_s: float | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_models < 2:
+            raise UsageError(f"the budget must allow at least 2 models (a prefill and a generate), got "
+                             f"{self.max_models}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    prompt: int
+    response: int
+    chunk: int
+    sizes: tuple[int, ...]
+    ttft_ms: float
+    decode_ms: float
+    models: int
+    compile_s: float
+    model_bytes: int
+
+    @property
+    def request_ms(self) -> float:
+        return self.ttft_ms + self.decode_ms
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "max_prompt_len": self.prompt, "min_response_len": self.response,
+                "prefill_chunk_size": self.chunk, "variants": list(self.sizes),
+                "expected_ms": {"ttft": self.ttft_ms, "decode": self.decode_ms, "request": self.request_ms},
+                "models": self.models, "compile_s": self.compile_s, "model_bytes": self.model_bytes}
+
+
+def lengths_for(workload: Workload, chunk: int) -> tuple[int, int]:
+    """P and R (aligned as NPUW aligns them) that serve every request of the workload."""
+    P = _align(int(workload.prompts.max()), max(NPUW_ALIGN, chunk))
+    need = int((workload.prompts + workload.responses - 1).max())
+    R = max(NPUW_ALIGN, _align(need - P, NPUW_ALIGN))
+    return P, R
+
+
+def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int) -> float:
+    if not chunk or chunk >= P:
+        return float(costs.call(P))
+    calls = -(-workload.prompts // chunk)
+    return float(np.mean(calls * costs.call(chunk)))
+
+
+def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
+    """Mean decode time: step k on the smallest size >= max(n + R, n + k), k = 1..m-1."""
+    sizes = np.asarray(sorted(sizes), np.int64)
+    top = int(sizes[-1])
+    x = np.arange(top + 1)
+    variant = sizes[np.minimum(np.searchsorted(sizes, x), len(sizes) - 1)]
+    cum = np.concatenate([[0.0], np.cumsum(costs.step(variant))])  # cum[x + 1] = sum of step(S(y)) for y <= x
+    n, m = workload.prompts, workload.responses
+    start = np.minimum(n + R, top)
+    first = np.minimum(m - 1, R)  # steps k = 1..R run on S(n + R)
+    total = first * costs.step(variant[start])
+    last = np.minimum(n + m - 1, top)  # steps k = R+1..m-1 run on S(n + k)
+    later = np.where(m - 1 > R, cum[last + 1] - cum[np.minimum(n + R, top) + 1], 0.0)
+    return float(np.mean(total + later))
+
+
+def evaluate(name: str, workload: Workload, costs: Costs, chunk: int, variants,
+             lengths: tuple[int, int] | None = None) -> Candidate:
+    P, R = lengths or lengths_for(workload, chunk)
+    L = plan_lengths(P, R, chunk if chunk < P else 0, variants)
+    models = 1 + len(L.sizes)
+    return Candidate(name, L.prompt, L.response, L.chunk, L.sizes, prefill_ms(workload, costs, L.prompt, L.chunk),
+                     decode_ms(workload, costs, L.response, L.sizes), models, models * costs.compile_s,
+                     models * costs.model_bytes)
+
+
+def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int = 0) -> dict:
+    """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
+    without a plan: the default chunk, and NPUW's default lengths (P 1024, R 128) when they
+    serve every request of the workload, else the workload's."""
+    serves = (int(workload.prompts.max()) <= DEFAULT_MAX_PROMPT_LEN
+              and int((workload.prompts + workload.responses - 1).max()) <= DEFAULT_MAX_PROMPT_LEN
+              + DEFAULT_MIN_RESPONSE_LEN)
+    defaults = (DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN) if serves else None
+    baselines = [evaluate(v, workload, costs, default_chunk, v, defaults) for v in ("single", "pyramid")]
+    best = None
+    P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)
+    chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0]
+    for chunk in chunks:
+        P, R = lengths_for(workload, chunk)
+        top = P + R
+        candidates = list(range(2 * NPUW_ALIGN, top, NPUW_ALIGN))
+        if len(candidates) > MAX_VARIANT_CANDIDATES:  # sizes where requests start: quantiles of n + R
+            q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
+            candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
+        prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0)
+        for extra in range(0, budget.max_models - 1):
+            if not _fits(budget, costs, 2 + extra):
+                break
+            for combo in itertools.combinations(candidates, extra):
+                sizes = (*combo, top)
+                ms = prefill + decode_ms(workload, costs, R, sizes)
+                if best is None or ms < best[0] - 1e-9:
+                    best = (ms, chunk, sizes)
+    if best is None:
+        raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
+    _, chunk, sizes = best
+    plan = evaluate("plan", workload, costs, chunk, sizes)
+    return {"plan": plan, "baselines": baselines}
+
+
+def _fits(budget: Budget, costs: Costs, models: int) -> bool:
+    return (models <= budget.max_models
+            and (budget.max_compile_s is None or models * costs.compile_s <= budget.max_compile_s)
+            and (budget.max_bytes is None or models * costs.model_bytes <= budget.max_bytes))
+
+
+def plan_document(result: dict, workload: Workload, costs: Costs, budget: Budget) -> dict:
+    """The plan file `kvc compile --plan` reads (and `kvc plan --json` prints)."""
+    plan = result["plan"]
+    return {"format": PLAN_FORMAT, "lengths": {k: v for k, v in plan.to_dict().items()
+                                                  if k in ("max_prompt_len", "min_response_len",
+                                                           "prefill_chunk_size", "variants")},
+            "expected": plan.to_dict(), "against": [b.to_dict() for b in result["baselines"]],
+            "workload": workload.summary(), "budget": dataclasses.asdict(budget), "costs": costs.to_dict()}
+
+
+def read_plan(path: str | Path) -> dict:
+    """The lengths of a plan file, checked: max_prompt_len, min_response_len, prefill_chunk_size, variants."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable plan ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or not isinstance(data.get("lengths"), dict):
+        raise UsageError(f"{path}: not a kvc plan (format {PLAN_FORMAT}; write one with kvc plan -o)")
+    L = data["lengths"]
+    ints = ("max_prompt_len", "min_response_len", "prefill_chunk_size")
+    if (not all(isinstance(L.get(k), int) and not isinstance(L.get(k), bool) and L[k] >= 0 for k in ints)
+            or not isinstance(L.get("variants"), list) or not L["variants"]
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 1 for v in L["variants"])):
+        raise UsageError(f"{path}: malformed lengths {json.dumps(L)[:120]}")
+    plan_lengths(L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"], tuple(L["variants"]))
+    return {**{k: L[k] for k in ints}, "variants": tuple(L["variants"])}

@@ -1,0 +1,176 @@
+"""kvc plan (issue 17 part 2): the cost model follows the runtime's variant rule, the search
+finds what the costs favour within the budget, and plan files are checked and applied."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvc import fixtures
+from kvc.errors import UsageError
+from kvc.planner import (Budget, Costs, Workload, best_plan, decode_ms, evaluate, load_workload, prefill_ms,
+                         read_plan)
+from tests.cli.runner import kvc
+
+# NPU-like costs: a call pays a weight pass plus its tokens; a step grows with the variant.
+STEEP = Costs({16: 28.0, 64: 40.0, 256: 88.0, 1024: 280.0}, {128: 10.0, 1024: 30.0, 4096: 100.0}, 1.0, 1000)
+FLAT = Costs({16: 28.0, 64: 40.0, 256: 88.0, 1024: 280.0}, {128: 20.0, 4096: 20.5}, 1.0, 1000)
+
+
+def workload(seed, count, prompts, responses) -> Workload:
+    rng = np.random.default_rng(seed)
+    return Workload(rng.integers(*prompts, count), rng.integers(*responses, count), "test")
+
+
+def simulated_decode(w: Workload, costs: Costs, R: int, sizes) -> float:
+    """The runtime's rule step by step (kvc.runtime.static_pipeline.decode_from)."""
+    total = []
+    for n, m in zip(w.prompts, w.responses):
+        variant = next((s for s in sizes if s >= n + R), sizes[-1])
+        stored, t = n, 0.0
+        for _ in range(m - 1):
+            if stored > variant - 1:
+                variant = next(s for s in sizes if s - 1 >= stored)
+            t += float(costs.step(variant))
+            stored += 1
+        total.append(t)
+    return float(np.mean(total))
+
+
+@pytest.mark.parametrize("sizes", [(1152,), (320, 640, 1152), (192, 1152), (1088, 1152)])
+def test_the_decode_model_follows_the_runtime_variant_rule(sizes):
+    w = workload(0, 200, (1, 1024), (1, 129))
+    assert decode_ms(w, STEEP, 128, sizes) == pytest.approx(simulated_decode(w, STEEP, 128, sizes), rel=1e-9)
+
+
+def test_prefill_costs_chunk_calls():
+    w = Workload(np.array([1, 64, 65, 200]), np.array([1, 1, 1, 1]))
+    calls = np.array([1, 1, 2, 4])
+    assert prefill_ms(w, STEEP, 256, 64) == pytest.approx(float(np.mean(calls * 40.0)))
+    assert prefill_ms(w, STEEP, 256, 0) == pytest.approx(88.0)  # one call of P tokens whatever the prompt
+
+
+def test_long_documents_get_a_large_chunk_and_chat_turns_a_small_one():
+    docs = workload(1, 100, (600, 1900), (50, 200))
+    chat = workload(2, 100, (10, 120), (20, 100))
+    assert best_plan(docs, FLAT)["plan"].chunk >= 256
+    assert best_plan(chat, FLAT)["plan"].chunk <= 128
+
+
+def test_variants_are_chosen_when_steps_grow_with_the_variant_and_the_budget_allows():
+    w = workload(3, 300, (16, 3000), (16, 300))
+    two = best_plan(w, STEEP, Budget(max_models=2), default_chunk=64)
+    four = best_plan(w, STEEP, Budget(max_models=4), default_chunk=64)
+    assert len(two["plan"].sizes) == 1 and len(four["plan"].sizes) == 3
+    assert four["plan"].decode_ms < two["plan"].decode_ms
+    pyramid = next(b for b in four["baselines"] if b.name == "pyramid")
+    assert four["plan"].request_ms < pyramid.request_ms and four["plan"].models <= 4
+    # the plan is the best the search space holds: no single other variant set beats it
+    P, R = four["plan"].prompt, four["plan"].response
+    for sizes in [(P + R,), (1088, P + R), (2112, P + R)]:
+        assert decode_ms(w, STEEP, R, sizes) >= four["plan"].decode_ms - 1e-9
+
+
+def test_the_budget_is_kept():
+    w = workload(4, 50, (16, 500), (16, 100))
+    assert best_plan(w, STEEP, Budget(max_models=6, max_compile_s=3.0))["plan"].models <= 3
+    assert best_plan(w, STEEP, Budget(max_models=6, max_bytes=2000))["plan"].models == 2
+    with pytest.raises(UsageError, match="no plan fits the budget"):
+        best_plan(w, STEEP, Budget(max_models=2, max_compile_s=1.0))
+    with pytest.raises(UsageError, match="at least 2 models"):
+        Budget(max_models=1)
+
+
+def test_every_request_of_the_workload_fits_the_plan():
+    w = workload(5, 100, (1, 700), (1, 900))
+    c = best_plan(w, STEEP)["plan"]
+    assert c.prompt >= w.prompts.max() and c.prompt + c.response >= (w.prompts + w.responses - 1).max()
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"requests": []}', "expected"),
+    ('{"requests": [[10, 5]]}', r"requests\[0\]"),
+    ('{"requests": [[0, 5, 1]]}', r"requests\[0\]"),
+    ('{"requests": [[10, 5, true]]}', r"requests\[0\]"),
+    ("[1, 2", "not a readable JSON histogram"),
+])
+def test_bad_histograms_are_refused(tmp_path, text, message):
+    path = tmp_path / "w.json"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        load_workload(path)
+
+
+def test_workloads_from_requests_and_histograms(tmp_path):
+    jsonl = tmp_path / "w.jsonl"
+    jsonl.write_text('{"prompt_ids": [1, 2, 3], "max_new_tokens": 4}\n{"prompt": "hello there", "max_new_tokens": 2}\n')
+    with pytest.raises(UsageError, match="needs the model's tokenizer"):
+        load_workload(jsonl)
+    w = load_workload(jsonl, encode=lambda text: text.split())
+    assert list(w.prompts) == [3, 2] and list(w.responses) == [4, 2]
+    hist = tmp_path / "w.json"
+    hist.write_text('{"requests": [[10, 5, 2], [20, 3, 1]]}')
+    assert list(load_workload(hist).prompts) == [10, 10, 20]
+
+
+def test_malformed_costs_and_plans_are_refused(tmp_path):
+    with pytest.raises(UsageError, match="not a kvc costs file"):
+        Costs.from_dict({"call_ms": {}}, "c.json")
+    with pytest.raises(UsageError, match="finite milliseconds"):
+        Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": float("nan")}, "step_ms": {"64": 1.0}})
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {"max_prompt_len": 64, "min_response_len": 64,
+                                                                    "prefill_chunk_size": 48, "variants": [128]}}))
+    with pytest.raises(UsageError, match="power of two"):
+        read_plan(bad)
+    bad.write_text("{}")
+    with pytest.raises(UsageError, match="not a kvc plan"):
+        read_plan(bad)
+
+
+def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
+    """On the llama fixture: costs measured and written, read back the second time; the plan
+    file gives kvc compile its lengths; an option given beside --plan is a conflict."""
+    requests = tmp_path / "w.jsonl"
+    rng = np.random.default_rng(0)
+    requests.write_text("".join(json.dumps({"prompt_ids": rng.integers(1, 384, n).tolist(), "max_new_tokens": m})
+                                + "\n" for n, m in [(20, 30), (90, 10), (40, 60)]))
+    costs, plan = tmp_path / "costs.json", tmp_path / "plan.json"
+    first = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "-o", plan,
+                "--max-models", "3")
+    assert "costs measured and written" in first.output and costs.is_file()
+    data = json.loads(costs.read_text())
+    assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
+    second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
+                 "--max-models", "3")
+    doc = json.loads(second.stdout)
+    assert doc == json.loads(plan.read_text())
+    L = doc["lengths"]
+    assert L["max_prompt_len"] >= 90 and L["max_prompt_len"] + L["min_response_len"] >= 99
+    assert {b["name"] for b in doc["against"]} == {"single", "pyramid"}
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, "--plan", plan, "--no-verify")
+    lengths = json.loads((out / "manifest.json").read_text())["plan"]["lengths"]
+    assert (lengths["max_prompt_len"], lengths["min_response_len"], lengths["prefill_chunk_size"],
+            lengths["generate_sizes"]) == (L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"],
+                                           L["variants"])
+    conflict = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o2", "--plan", plan, "--max-prompt-len",
+                   "64", code=2)
+    assert "--plan sets --max-prompt-len" in conflict.output
+    foreign = kvc("plan", fixtures.path("qwen2"), "--workload", requests, "--costs", costs, code=2)
+    assert "another model's files" in foreign.output
+
+
+@pytest.mark.parametrize("n,m", [(5, 40), (15, 80), (40, 50), (64, 33)])
+def test_the_decode_model_matches_the_variants_a_real_pipeline_runs(n, m):
+    """The variants kvc's StaticPipeline actually ran (P 64, R 32, variants 80 and 96) cost
+    what the planner predicts."""
+    from tests.runtime.test_static_pipeline import pipeline
+
+    pipe = pipeline("llama", "chunked", "numpy")
+    gen = pipe.generate(list(range(1, n + 1)), m)
+    ran = float(sum(STEEP.step(v) for v in gen.variants))
+    predicted = decode_ms(Workload(np.array([n]), np.array([m])), STEEP, pipe.lengths.response, pipe.lengths.sizes)
+    assert predicted == pytest.approx(ran, rel=1e-9)
