@@ -28,7 +28,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,21 +87,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    import openvino as ov
-
     from kvc.cache.chunks import ChunkReuse
     from kvc.cache.moves import calibrate, model_config
     from kvc.cache.prefix import DEFAULT_MAX_BLOCKS, PrefixCache
     from kvc.cache.serving import CachedPipeline
     from kvc.export.load import model_session, open_compiled
     from kvc.runtime.compare import first_divergence, nrmse
-    from prefix_cache import npuw_request
+    from prefix_cache import compile_default, npuw_prefix_caching
 
-    out = args.out
-    if out is None:
-        out = Path(tempfile.mkdtemp(prefix="kvc-chunks-")) / "out"
-        subprocess.run([sys.executable, "-m", "kvc.cli.main", "compile", str(args.model), "-o", str(out)],
-                       check=True, capture_output=True)
+    out = args.out or compile_default(args.model, "kvc-chunks-")
     requests = make_workload(args.seed, args.requests, new_tokens=args.new_tokens)
     workload = out.parent / "rag.jsonl"
     workload.write_text("".join(json.dumps(r) + "\n" for r in requests))
@@ -116,12 +109,7 @@ def main(argv=None) -> int:
     # 1. The default CLI path and the peer.
     prefix = cli_run(out, workload)
     chunks = cli_run(out, workload, "--chunk-reuse")
-    npuw_config = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_LLM": "YES",
-                   "NPUW_LLM_MAX_PROMPT_LEN": L.prompt, "NPUW_LLM_MIN_RESPONSE_LEN": L.response,
-                   "NPUW_LLM_PREFILL_CHUNK_SIZE": L.chunk, "NPUW_LLM_ENABLE_PREFIX_CACHING": "YES",
-                   "NPUW_LLM_PREFIX_CACHING_BLOCK_SIZE": L.chunk,
-                   "NPUW_LLM_PREFIX_CACHING_MAX_NUM_BLOCKS": DEFAULT_MAX_BLOCKS}
-    npuw = npuw_request(ov.Core().compile_model(str(args.model / "openvino_model.xml"), "NPU", npuw_config))
+    npuw = npuw_prefix_caching(args.model, L, DEFAULT_MAX_BLOCKS)
     npuw_ttft = [npuw(r["prompt_ids"], 1) for r in requests]
     warm = slice(len(requests) // 4, None)
     print("\n| engine (default CLI path) | TTFT mean | after the first quarter | prompt tokens approximate |")

@@ -91,6 +91,27 @@ def simulate(requests: list[dict], block: int, max_blocks: int) -> dict[str, flo
     return rates
 
 
+def compile_default(model: Path, prefix: str) -> Path:
+    """`kvc compile MODEL -o OUT` with the defaults, into a new temporary directory."""
+    out = Path(tempfile.mkdtemp(prefix=prefix)) / "out"
+    subprocess.run([sys.executable, "-m", "kvc.cli.main", "compile", str(model), "-o", str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def npuw_prefix_caching(model: Path, lengths, max_blocks: int):
+    """NPUW_LLM on its CPU backend with prefix caching at kvc's P, R and chunk (block = chunk):
+    a function (prompt, new tokens) -> TTFT seconds."""
+    import openvino as ov
+
+    config = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_LLM": "YES",
+              "NPUW_LLM_MAX_PROMPT_LEN": lengths.prompt, "NPUW_LLM_MIN_RESPONSE_LEN": lengths.response,
+              "NPUW_LLM_PREFILL_CHUNK_SIZE": lengths.chunk, "NPUW_LLM_ENABLE_PREFIX_CACHING": "YES",
+              "NPUW_LLM_PREFIX_CACHING_BLOCK_SIZE": lengths.chunk,
+              "NPUW_LLM_PREFIX_CACHING_MAX_NUM_BLOCKS": max_blocks}
+    return npuw_request(ov.Core().compile_model(str(model / "openvino_model.xml"), "NPU", config))
+
+
 def npuw_request(compiled):
     request = compiled.create_infer_request()
 
@@ -122,17 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate", type=int, default=2000, help="requests for the bookkeeping-only hit rates")
     args = ap.parse_args(argv)
 
-    import openvino as ov
-
     from kvc.cache.prefix import PrefixCache
     from kvc.cache.serving import CachedPipeline
     from kvc.export.load import open_compiled
 
-    out = args.out
-    if out is None:
-        out = Path(tempfile.mkdtemp(prefix="kvc-prefix-")) / "out"
-        subprocess.run([sys.executable, "-m", "kvc.cli.main", "compile", str(args.model), "-o", str(out)],
-                       check=True, capture_output=True)
+    out = args.out or compile_default(args.model, "kvc-prefix-")
     pipe = open_compiled(out, "openvino")
     chunk = pipe.lengths.chunk
     requests = make_workload(args.seed, args.requests)
@@ -141,12 +156,7 @@ def main(argv=None) -> int:
     for policy in ("lru", "priority"):
         caches[policy] = PrefixCache(chunk, args.max_blocks, policy=policy)
         engines[f"kvc, {policy}"] = CachedPipeline(pipe, caches[policy])
-    npuw_config = {"NPU_USE_NPUW": "YES", "NPUW_DEVICES": "CPU", "NPUW_LLM": "YES",
-                   "NPUW_LLM_MAX_PROMPT_LEN": pipe.lengths.prompt, "NPUW_LLM_MIN_RESPONSE_LEN": pipe.lengths.response,
-                   "NPUW_LLM_PREFILL_CHUNK_SIZE": chunk, "NPUW_LLM_ENABLE_PREFIX_CACHING": "YES",
-                   "NPUW_LLM_PREFIX_CACHING_BLOCK_SIZE": chunk,
-                   "NPUW_LLM_PREFIX_CACHING_MAX_NUM_BLOCKS": args.max_blocks}
-    npuw = npuw_request(ov.Core().compile_model(str(args.model / "openvino_model.xml"), "NPU", npuw_config))
+    npuw = npuw_prefix_caching(args.model, pipe.lengths, args.max_blocks)
     ttft: dict[str, list[float]] = {name: [] for name in (*engines, "NPUW_LLM, prefix caching")}
     for r in requests:
         retention = retention_of(r)
