@@ -91,7 +91,11 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
         progress(f"costs measured and written to {target}")
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    result = best_plan(load, costs, budget, default_chunk)
+    from kvc.export.compile import model_max_positions
+    from kvc.ir.reader import resolve
+
+    stated = model_max_positions(resolve(path).root)
+    result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None)
     document = plan_document(result, load, costs, budget)
     if out is not None:
         write_bytes_atomic(out, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())

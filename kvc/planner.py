@@ -14,7 +14,9 @@ Inputs:
 The model of a request of n prompt and m new tokens (the runtime's rules,
 kvc.runtime.static_pipeline): the prefill costs ceil(n / C) calls of C tokens (one call of P
 tokens without a chunk); decode step k (k = 1..m-1) runs on the smallest variant T with
-T >= n + R and T >= n + k. Costs between measured sizes are interpolated linearly. P is the
+T >= n + R and T >= n + k. Costs between measured sizes are interpolated linearly and made
+non-decreasing in size (a larger call or variant does not cost less; a measurement that says
+otherwise is noise, and would make a plan look worse than a larger configuration). P is the
 smallest multiple of 64 (and of C) that takes every prompt, R the smallest that gives every
 request its tokens (P + R >= n + m - 1), so no request of the workload is refused. The plan
 minimizes the mean time per request (TTFT + decode) over the chunk and the variant set within
@@ -36,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from kvc.errors import UsageError
-from kvc.plan import DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN, NPUW_ALIGN, plan_lengths
+from kvc.plan import NPUW_ALIGN, plan_lengths
 
 PLAN_FORMAT = "kvc-plan/1"
 COSTS_FORMAT = "kvc-costs/1"
@@ -151,7 +153,8 @@ class Costs:
 
 def _interpolate(points: dict, x) -> np.ndarray:
     xs = np.array(sorted(points), np.float64)
-    ys = np.array([points[k] for k in sorted(points)], np.float64)
+    # non-decreasing in size: a larger call or variant does not cost less (what says otherwise is noise)
+    ys = np.maximum.accumulate(np.array([points[k] for k in sorted(points)], np.float64))
     x = np.asarray(x, np.float64)
     if len(xs) == 1:
         return np.full_like(x, ys[0])
@@ -308,14 +311,16 @@ def evaluate(name: str, workload: Workload, costs: Costs, chunk: int, variants,
                      models * costs.model_bytes)
 
 
-def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int = 0) -> dict:
+def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int = 0,
+              max_positions: int | None = None) -> dict:
     """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
-    without a plan: the default chunk, and NPUW's default lengths (P 1024, R 128) when they
-    serve every request of the workload, else the workload's."""
-    serves = (int(workload.prompts.max()) <= DEFAULT_MAX_PROMPT_LEN
-              and int((workload.prompts + workload.responses - 1).max()) <= DEFAULT_MAX_PROMPT_LEN
-              + DEFAULT_MIN_RESPONSE_LEN)
-    defaults = (DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN) if serves else None
+    without a plan: the default chunk, and the default lengths (P 1024, R 128, P lowered to fit
+    the model's `max_positions` as kvc compile lowers it) when they serve every request of the
+    workload, else the workload's."""
+    fitted = plan_lengths(None, None, default_chunk, "single", max_positions=max_positions)  # as compile fits them
+    serves = (int(workload.prompts.max()) <= fitted.prompt
+              and int((workload.prompts + workload.responses - 1).max()) <= fitted.prompt + fitted.response)
+    defaults = (fitted.prompt, fitted.response) if serves else None
     baselines = [evaluate(v, workload, costs, default_chunk, v, defaults) for v in ("single", "pyramid")]
     best = None
     P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)

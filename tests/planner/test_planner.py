@@ -174,3 +174,17 @@ def test_the_decode_model_matches_the_variants_a_real_pipeline_runs(n, m):
     ran = float(sum(STEEP.step(v) for v in gen.variants))
     predicted = decode_ms(Workload(np.array([n]), np.array([m])), STEEP, pipe.lengths.response, pipe.lengths.sizes)
     assert predicted == pytest.approx(ran, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_plan_is_never_expected_slower_than_what_a_user_gets(seed):
+    """Noisy measurements (a larger variant timed faster) must not make the plan lose to the
+    defaults it could have chosen: costs are non-decreasing in size."""
+    rng = np.random.default_rng(seed)
+    noisy = Costs({32: float(rng.uniform(20, 40)), 128: float(rng.uniform(15, 60)), 512: float(rng.uniform(30, 90))},
+                  {256: float(rng.uniform(10, 30)), 1024: float(rng.uniform(5, 30)), 2048: float(rng.uniform(5, 40))},
+                  1.0, 1000)
+    w = workload(seed, 100, (1, 900), (1, 200))
+    result = best_plan(w, noisy, Budget(max_models=2), default_chunk=64)
+    assert all(result["plan"].request_ms <= b.request_ms + 1e-9 for b in result["baselines"])
+    assert noisy.step(300) >= noisy.step(256) and noisy.call(64) >= noisy.call(32)
