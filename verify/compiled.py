@@ -11,18 +11,22 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[tuple[
     (33 without; at most P), `tokens` new tokens each (at most what fits). The second prompt
     runs a full chunk and then a partial one over a real past, so the prefill's reading of its
     past is checked, not only its first chunk (with 7 and 33 tokens at the default chunk of
-    64, a prefill that ignored its past passed). With several generate variants the first
-    prompt runs on until one step on the variant after the one it starts on, so a switch is
-    exercised."""
+    64, a prefill that ignored its past passed).
+
+    With several generate variants, a third probe exercises a switch: the longest prompt that
+    starts on the smallest usable variant T1 (T1 - R tokens), run until one step on the next
+    variant (R + 2 new tokens). A short prompt run to the switch instead took T1 steps, 1145
+    of them on kvc's numpy runtime at P 1728 (150 s of a 250M model's compile)."""
     from kvc.runtime.static_pipeline import max_new_tokens
 
     rng = np.random.default_rng(seed)
     cases = []
     for length in sorted({min(plan.prompt, 7), min(plan.prompt, plan.chunk + 9 if plan.chunk else 33)}):
-        n = tokens
-        start = next((s for s in plan.sizes if s >= length + plan.response), plan.sizes[-1])
-        if not cases and start != plan.sizes[-1]:
-            n = max(n, start - length + plan.tokens + 1)
+        cases.append((rng.integers(1, vocab, length).tolist(), min(tokens, max_new_tokens(plan, length))))
+    first = next((s for s in plan.sizes[:-1] if s - plan.response >= 1), None)
+    if first is not None:
+        length = min(plan.prompt, first - plan.response)
+        n = first - length + plan.tokens + 1
         cases.append((rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length))))
     return cases
 
