@@ -55,7 +55,6 @@ class ChunkPlan:
     placed: list[tuple[int, dict[str, np.ndarray]]]  # (position, moved rows) for the pipeline
     blocks: list[Block]  # the cache blocks used
     first: int | None  # the start of the first block rows were placed in, None when none were
-    seams: int = 0
 
 
 def plan_chunks(cache: PrefixCache, reuse: ChunkReuse, prompt, start: int, chunk: int, seq_axes: dict[str, int],
@@ -76,7 +75,6 @@ def plan_chunks(cache: PrefixCache, reuse: ChunkReuse, prompt, start: int, chunk
         seam = after is None or block.origin != (after[0], after[1] + B)
         if seam:
             left = repair
-            plan.seams += 1
         skip = min(left, B)
         left -= skip
         after = block.origin

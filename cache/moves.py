@@ -21,9 +21,8 @@ no attention score, so every value row must come out equal and every key row equ
 first run's key rotated by the shift. Each layer takes the first of no-move or a rotary
 reading of the config that explains its keys (relative RMS error <= MOVE_TOLERANCE); a value
 that moved, or a key no candidate explains, refuses chunk reuse naming the layer and the
-error. A model
-without a `position_ids` input (positions derived from the mask, ALiBi) cannot be shifted
-this way and is refused, as is int8 KV (rotating needs dequantized keys).
+error. A model without a `position_ids` input (positions derived from the mask, ALiBi)
+cannot be shifted this way and is refused, as is int8 KV (rotating needs dequantized keys).
 """
 
 from __future__ import annotations
@@ -222,8 +221,7 @@ def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover
                 raise ChunkReuseRefused(
                     f"layer {spec.layer}'s {spec.kind}s change when the whole chunk moves by {shift} positions "
                     f"(relative RMS error {errors[spec.input]:.2g}): the model mixes absolute positions into its "
-                    f"hidden states, "
-                    f"so rows computed at one position cannot be used at another")
+                    f"hidden states, so rows computed at one position cannot be used at another")
             continue
         if spec.seq_axis != len(spec.shape) - 2:
             raise ChunkReuseRefused(f"{spec.input}: keys laid out with the sequence on axis {spec.seq_axis} "

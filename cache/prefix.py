@@ -119,27 +119,33 @@ class Block:
     duration: float | None
     last_used: float
     children: int = 0
-    start: int = 0  # the position of its first token where its rows were computed
     origin: tuple[int, int] = (0, 0)  # (sequence number, start): blocks stored by one sequence are contiguous
     exact: bool = True  # False: a chunk-reuse block, computed in a context that was itself approximate
+
+    @property
+    def start(self) -> int:
+        """The position of its first token where its rows were computed."""
+        return self.origin[1]
 
     def effective_priority(self, now: float) -> int:
         lapsed = self.duration is not None and now - self.last_used > self.duration
         return DEFAULT_PRIORITY if lapsed else self.priority
 
 
+def _token_hash(prefix: bytes, tokens: Iterable[int]) -> str:
+    digest = hashlib.sha256(prefix)
+    digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
 def content_key(tokens: Iterable[int]) -> str:
     """The key of a block's tokens alone, wherever they stood (chunk-level reuse): a hash in
     its own domain, so it never equals a chained key."""
-    digest = hashlib.sha256(b"kvc-chunk\0")
-    digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
-    return digest.hexdigest()
+    return _token_hash(b"kvc-chunk\0", tokens)
 
 
 def block_key(parent: str | None, tokens: Iterable[int]) -> str:
-    digest = hashlib.sha256(bytes.fromhex(parent) if parent else b"")
-    digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
-    return digest.hexdigest()
+    return _token_hash(bytes.fromhex(parent) if parent else b"", tokens)
 
 
 @dataclass
@@ -247,7 +253,7 @@ class PrefixCache:
                 nbytes = sum(a.nbytes for a in rows.values())
                 if not self._make_room(nbytes, chain | {parent} if parent else chain):
                     break
-                block = Block(key, parent, span, rows, nbytes, priority, duration, now, start=start,
+                block = Block(key, parent, span, rows, nbytes, priority, duration, now,
                               origin=(self.sequences, start))
                 self._add(block)
                 if parent is not None:
@@ -278,7 +284,7 @@ class PrefixCache:
             nbytes = sum(a.nbytes for a in rows.values())
             if not self._make_room(nbytes, set()):
                 break
-            block = Block(key, None, span, rows, nbytes, DEFAULT_PRIORITY, None, now, start=at,
+            block = Block(key, None, span, rows, nbytes, DEFAULT_PRIORITY, None, now,
                           origin=(self.sequences, at), exact=False)
             self._add(block)
             stored.append(StoredBlock(key, span, DEFAULT_PRIORITY))

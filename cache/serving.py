@@ -131,7 +131,7 @@ class CachedPipeline:
         if self.chunks is not None and limit:
             B = self.cache.block_size
             plan = plan_chunks(self.cache, self.chunks, prompt, -(-reuse // B) * B, pipe.lengths.chunk,
-                               {spec.input: spec.seq_axis for spec in pipe.kv}, after if reuse % B == 0 else None)
+                               {spec.input: spec.seq_axis for spec in pipe.kv}, after)
             for block in plan.blocks:
                 self.cache.touch(block)
         restoring = time.perf_counter() - started

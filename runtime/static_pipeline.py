@@ -246,7 +246,8 @@ class StaticPipeline:
             raise UsageError("reusing KV rows needs a chunked prefill (compile with --prefill-chunk-size)")
         skip, end = [], reuse
         for at, rows in placed:
-            count = next(iter(rows.values())).shape[self.kv[0].seq_axis] if rows else 0
+            first = self.kv[0]
+            count = rows[first.input].shape[first.seq_axis] if rows else 0
             if at < end or at + count > n - 1 or count < 1:
                 raise UsageError(f"placed KV rows [{at}, {at + count}) must follow the restored and placed rows "
                                  f"before them (up to {end}) and leave the last prompt token ({n - 1}) to compute")
