@@ -17,6 +17,7 @@ from kvc.cache.chunks import ChunkReuse
 from kvc.cache.moves import ChunkReuseRefused, calibrate, candidates, model_config
 from kvc.cache.prefix import PrefixCache
 from kvc.cache.serving import CachedPipeline
+from kvc.errors import UsageError
 from kvc.export.build import build_static
 from kvc.plan import StaticOptions
 from kvc.runtime.session import NumpySession, OpenVINOSession, NPUW_CPU_CONFIG
@@ -202,3 +203,14 @@ def test_kvc_run_reports_approximate_tokens(tmp_path):
     assert "approx" in text and f"chunk reuse: {2 * C - 16} prompt tokens placed" in text
     assert "needs --prefix-cache" in kvc("run", out, "--requests", requests, "--chunk-reuse", code=2).output
     assert "go with --requests" in kvc("run", out, "--prompt-ids", "1,2", "--chunk-reuse", code=2).output
+
+
+def test_placed_rows_must_follow_each_other_and_leave_the_last_token():
+    pipe = pipeline("llama")
+    rows = pipe.copy_rows(0, 8)
+    prompt = tokens(11, 40)
+    for placed in [((4, rows), (8, rows)),  # the second overlaps the first
+                   ((32, rows),),  # covers the last prompt token (39)
+                   ((2, rows),)]:  # before the restored rows end
+        with pytest.raises(UsageError, match="placed KV rows"):
+            pipe.prefill_prompt(prompt, 1, reuse=C if placed[0][0] == 2 else 0, placed=placed)
