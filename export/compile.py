@@ -27,8 +27,8 @@ from typing import Callable
 from kvc import __version__
 from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
 from kvc.export.build import build_static, common_passes
-from kvc.export.manifest import (FORMAT, MANIFEST, dumps, file_entry, openvino_version, port_table,
-                                 source_hashes)
+from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
+                                 source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
@@ -113,7 +113,8 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     except OSError as exc:
         raise _output_error(exc, out, None) from None
     try:
-        manifest = _compile_into(model_path, work, options, progress)
+        with BackgroundHashes() as hashes:
+            manifest = _compile_into(model_path, work, options, progress, hashes)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
         _publish(work, out, options.force)
         return manifest
@@ -200,16 +201,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress) -> dict:
-    """Build, save, export and check everything into `work`; the manifest (without `files`
-    until the end)."""
+def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress, hashes: BackgroundHashes) -> dict:
+    """Build, save, export and check everything into `work`; the manifest. Every file's hash
+    is started on `hashes` as soon as the file is final."""
     progress(f"loading {model_path}")
-    _phase(options, "hash the source", work)
-    source = source_hashes(model_path)
+    sources = source_files(model_path)
+    for f in sources:
+        hashes.start(f)
     stated = model_max_positions(resolve(model_path).root)
     options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
     _phase(options, "passes, save the IR", work)
     static, xmls = _build_and_save(model_path, work, options, stated, progress)
+    for path in [work / WEIGHTS_FILE, *xmls.values()]:
+        hashes.start(path)
     models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
                      "inputs": port_table(static.models[name].inputs),
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
@@ -223,11 +227,12 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         _phase(options, f"compile for {device}", work)
         for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress).items():
             models[name]["blobs"][device] = blob
+            hashes.start(work / blob["file"])
     manifest = {
         "format": FORMAT,
         "kvc_version": __version__,
         "openvino_version": openvino_version(),
-        "source": {"path": str(model_path.absolute()), "sha256": source},
+        "source": {"path": str(model_path.absolute()), "sha256": {f.name: hashes.entry(f)["sha256"] for f in sources}},
         "plan": static.plan.to_dict(),
         "devices": list(options.devices),
         "weights": WEIGHTS_FILE,
@@ -240,7 +245,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         options.recorder.finish(work, work / "dumps" if options.dumps else None)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
-    manifest["files"] = {p.relative_to(work).as_posix(): file_entry(p) for p in files}
+    manifest["files"] = {p.relative_to(work).as_posix(): hashes.entry(p) for p in files}
     return manifest
 
 

@@ -16,6 +16,7 @@ import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
+from kvc.export.mapped import pages_released
 from kvc.export.manifest import check_blob_version, check_files, check_ports, plan_of, read_manifest
 from kvc.ir.reader import core, load
 from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session
@@ -37,8 +38,9 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         if "WEIGHTS_PATH" in config:
             config["WEIGHTS_PATH"] = str(directory / config["WEIGHTS_PATH"])
         try:
-            compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()), device,
-                                                         config)
+            with pages_released(weights):
+                compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()),
+                                                             device, config)
         except RuntimeError as exc:
             raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
         check_ports(directory, name, entry, compiled.inputs, compiled.outputs)

@@ -37,15 +37,17 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def source_hashes(path: Path) -> dict[str, str]:
-    """sha256 of a model's files (its .xml/.onnx and weights) by file name."""
+def source_files(path: Path) -> list[Path]:
+    """A model's files whose hashes identify it: its .xml/.onnx and its weights."""
     from kvc.ir.reader import resolve
 
     files = resolve(path)
-    out = {files.model.name: sha256_file(files.model)}
-    if files.weights is not None and files.weights.exists():
-        out[files.weights.name] = sha256_file(files.weights)
-    return out
+    return [files.model] + ([files.weights] if files.weights is not None and files.weights.exists() else [])
+
+
+def source_hashes(path: Path) -> dict[str, str]:
+    """sha256 of a model's files (its .xml/.onnx and weights) by file name."""
+    return {f.name: sha256_file(f) for f in source_files(path)}
 
 
 def recorded_source(manifest: dict, directory: str | Path) -> Path:
@@ -98,6 +100,40 @@ def read_manifest(directory: str | Path) -> dict:
 
 def file_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+class BackgroundHashes:
+    """sha256 of files taken on one background thread while the caller goes on (hashlib and
+    file reads release the GIL): `kvc compile` starts the source's hashes before loading it and
+    each output's as soon as it is final, instead of reading 2 GB at the start and the end
+    (1.5 s of a 250M model's 9.7 s compile, on cores the passes and the device compile
+    leave idle). A file that changed after its hash started (size or mtime) is hashed again
+    when asked for; a hashing error is raised where the result is asked for."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-sha256")
+        self._jobs: dict[Path, tuple] = {}
+
+    def start(self, path: Path) -> None:
+        st = path.stat()
+        self._jobs[path] = ((st.st_size, st.st_mtime_ns), self._pool.submit(sha256_file, path))
+
+    def entry(self, path: Path) -> dict:
+        st = path.stat()
+        stamp, job = self._jobs.get(path, (None, None))
+        if job is None or stamp != (st.st_size, st.st_mtime_ns):
+            return file_entry(path)
+        digest = job.result()
+        return {"bytes": st.st_size, "sha256": digest}
+
+    def __enter__(self) -> BackgroundHashes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Hashes not begun are dropped (a failed compile does not wait for them)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_structure(manifest: dict, path: Path) -> None:

@@ -359,3 +359,45 @@ def test_default_lengths_follow_the_models_positions(tmp_path):
     assert any("lowered to 128 so that P + R fits the model's 256 positions" in a for a in lengths["adjustments"])
     assert manifest["plan"]["options"]["max_positions"] == 256
     assert not [s for s in said if "warning" in s]
+
+
+def _resident_kib(path, ranges) -> int:
+    """Resident KiB of this process's mappings at `ranges` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = (start, end) in ranges
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_opened_cpu_blobs_leave_weights_file_pages_to_the_page_cache(compiled, monkeypatch):
+    """Each CPU import maps weights.bin and packs the weights into memory of its own; kvc drops
+    the mapping's pages after the import (export/mapped.py), so the process does not keep the
+    file resident once per model. Without the release the same mappings hold every page. (NPUW's
+    imports keep no mapping of the file.)"""
+    import kvc.export.mapped as mapped
+
+    weights = compiled / "weights.bin"
+    size_kib = weights.stat().st_size // 1024
+    prompt = fixtures.goldens("llama")["prompts"][2]
+
+    def opened():
+        before = mapped.shared_readonly_mappings(weights)
+        pipe = open_compiled(compiled, "openvino")
+        new = mapped.shared_readonly_mappings(weights) - before
+        assert new, "the import maps weights.bin"
+        return pipe, _resident_kib(weights, new)
+
+    released, resident = opened()
+    assert resident < 0.1 * size_kib
+    monkeypatch.setattr(mapped, "_madvise", None)
+    unreleased, resident_unreleased = opened()
+    assert resident_unreleased > 0.9 * size_kib * 2  # prefill and generate each keep the whole file
+    a, b = released.generate(prompt["ids"], 24), unreleased.generate(prompt["ids"], 24)
+    assert a.tokens == b.tokens == prompt["tokens"]["openvino"]
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
