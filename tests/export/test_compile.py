@@ -241,8 +241,8 @@ def test_an_out_published_meanwhile_by_another_compile_is_kept(tmp_path, monkeyp
     out = tmp_path / "out"
     real = compile_module._compile_into
 
-    def racing(model_path, work, options, progress):
-        manifest = real(model_path, work, options, progress)
+    def racing(*args):
+        manifest = real(*args)
         out.mkdir()
         (out / "theirs").write_text("the other compile's result")
         return manifest
@@ -401,3 +401,25 @@ def test_opened_cpu_blobs_leave_weights_file_pages_to_the_page_cache(compiled, m
     a, b = released.generate(prompt["ids"], 24), unreleased.generate(prompt["ids"], 24)
     assert a.tokens == b.tokens == prompt["tokens"]["openvino"]
     np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+
+
+def test_background_hashes_rehash_a_file_changed_after_its_hash_started(tmp_path):
+    """The manifest's hashes are taken while the compile goes on; a file rewritten after its
+    hash started must not be recorded with the old content's hash."""
+    import hashlib
+    import time
+
+    from kvc.export.manifest import BackgroundHashes
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"first" * 1000)
+    b.write_bytes(b"kept")
+    with BackgroundHashes() as hashes:
+        hashes.start(a)
+        hashes.start(b)
+        time.sleep(0.01)
+        a.write_bytes(b"second" * 1000)
+        os.utime(a, ns=(time.time_ns(), time.time_ns() + 10**9))  # coarse mtimes: make the change visible
+        assert hashes.entry(a) == {"bytes": 6000, "sha256": hashlib.sha256(b"second" * 1000).hexdigest()}
+        assert hashes.entry(b) == {"bytes": 4, "sha256": hashlib.sha256(b"kept").hexdigest()}
+        assert hashes.entry(tmp_path / "a") == hashes.entry(a)
