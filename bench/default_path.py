@@ -47,11 +47,56 @@ EXACT = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMI
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS, or its process tree's when that was larger: kvc compile forks
+    its device compiles (kvc.export.device_compile), so the sum of the tree's RSS, sampled
+    every 10 ms by `TreeRss`, counts; so does the largest child's own peak, which sampling
+    could miss."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return max(own, children, TreeRss.peak_mb)
+
+
+class TreeRss:
+    """Samples the summed VmRSS of this process and its descendants on a daemon thread."""
+
+    peak_mb = 0.0
+
+    @classmethod
+    def start(cls) -> None:
+        import threading
+
+        threading.Thread(target=cls._run, daemon=True).start()
+
+    @staticmethod
+    def _tree(pid: int) -> list[int]:
+        pids, i = [pid], 0
+        while i < len(pids):
+            try:
+                for task in os.listdir(f"/proc/{pids[i]}/task"):
+                    with open(f"/proc/{pids[i]}/task/{task}/children") as f:
+                        pids += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+            i += 1
+        return pids
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            total = 0
+            for pid in cls._tree(os.getpid()):
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                except OSError:
+                    pass
+            cls.peak_mb = max(cls.peak_mb, total / 1024)
+            time.sleep(0.01)
 
 
 # -- children: one measurement each, in a fresh process, printing one JSON line ---------------
 def child(kind: str, model: Path, out: Path, device: str) -> dict:
+    TreeRss.start()
     started = time.perf_counter()
     if kind in ("kvc-compile", "kvc-compile-f32"):
         from kvc.cli.main import cli

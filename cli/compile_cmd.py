@@ -34,11 +34,15 @@ from kvc.cli.render import echo_json, human_bytes, table
                    "kvc report OUT writes it later, completely when compiled with --dumps.")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Take P, R, the prefill chunk and the variants from a plan written by kvc plan -o.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep each blob here and reuse it when a later compile has the same model for the same device, "
+                   "configuration and OpenVINO version (as OpenVINO's CACHE_DIR): adding a variant or a device "
+                   "compiles only what is new (docs/blob-cache.md).")
 @ir_print_options
 @json_option
 @click.pass_context
-def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force, report, plan_path, as_json,
-             **kwargs):
+def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force, report, plan_path, cache_dir,
+             as_json, **kwargs):
     """Compile MODEL into static prefill and generate models for an NPU, with blobs and a manifest.
 
     MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
@@ -65,7 +69,8 @@ def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force
                 instrumentation, dump_dir=Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvc-report-"))))
             temporary = True
         options = CompileOptions(static, tuple(dict.fromkeys(devices)), inference_precision, verify, force=force,
-                                 dumps=dumps, instrumentation=instrumentation, recorder=recorder)
+                                 dumps=dumps, instrumentation=instrumentation, recorder=recorder,
+                                 cache_dir=cache_dir)
         manifest = compile_to(path, out, options, progress=lambda m: progress(m.replace(str(path), name)))
         if report is not None:
             from kvc.report import write_report

@@ -26,7 +26,9 @@ from typing import Callable
 
 from kvc import __version__
 from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
+from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, range_digests
 from kvc.export.build import build_static, common_passes
+from kvc.export.device_compile import DeviceCompiler
 from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
                                  source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
@@ -37,7 +39,10 @@ from kvc.plan import StaticOptions
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
 DEVICES = ("CPU", "NPU")
-SMALL_CONSTANT_BYTES = 1024  # embedded in weightless blobs (embed_small_constants)
+# Embedded in weightless CPU blobs (embed_small_constants): among them the mask rows each
+# generate variant has of its own (its size in bytes), which move in weights.bin when a
+# variant is added, so that the other blobs stay the same (kvc.export.blob_cache).
+SMALL_CONSTANT_BYTES = 16 << 10
 # Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
                    "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
@@ -93,6 +98,7 @@ class CompileOptions:
     # Told each phase as it begins and the probes' generations, for a report
     # (kvc.report.collect.CompileRecorder); with `dumps` it writes what it recorded beside them.
     recorder: object | None = field(default=None, compare=False)
+    cache_dir: Path | None = None  # blobs kept across compiles (kvc.export.blob_cache)
 
 
 def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
@@ -113,8 +119,8 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     except OSError as exc:
         raise _output_error(exc, out, None) from None
     try:
-        with BackgroundHashes() as hashes:
-            manifest = _compile_into(model_path, work, options, progress, hashes)
+        with BackgroundHashes() as hashes, DeviceCompiler() as compiler:
+            manifest = _compile_into(model_path, work, options, progress, hashes, compiler)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
         _publish(work, out, options.force)
         return manifest
@@ -201,9 +207,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress, hashes: BackgroundHashes) -> dict:
+def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress, hashes: BackgroundHashes,
+                  compiler: DeviceCompiler) -> dict:
     """Build, save, export and check everything into `work`; the manifest. Every file's hash
-    is started on `hashes` as soon as the file is final."""
+    is started on `hashes` as soon as the file is final; blobs are compiled by `compiler`."""
+    cache = BlobCache(options.cache_dir, progress) if options.cache_dir is not None else None
     progress(f"loading {model_path}")
     sources = source_files(model_path)
     for f in sources:
@@ -225,7 +233,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     static.models.clear()
     for device in options.devices:
         _phase(options, f"compile for {device}", work)
-        for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress).items():
+        for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress, compiler,
+                                        cache).items():
             models[name]["blobs"][device] = blob
             hashes.start(work / blob["file"])
     manifest = {
@@ -318,26 +327,33 @@ def _require_kv_cache(model, file: Path) -> None:
             from None
 
 
-def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress) -> dict[str, dict]:
-    """Compile each saved model for `device` and write its blob; the manifest entry of each."""
+def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress, compiler,
+                  cache: BlobCache | None) -> dict[str, dict]:
+    """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
+    write its blob, or take it from `cache` when it holds that model's blob; the manifest
+    entry of each."""
     config = device_config(device, for_export=True, precision=precision)
+    keys = {}
+    if cache is not None:
+        texts = {name: xml.read_text(encoding="utf-8") for name, xml in xmls.items()}
+        digests = range_digests(work / WEIGHTS_FILE, [r for t in texts.values() for r in const_ranges(t)])
+        embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
+        keys = {name: blob_key(xml, digests, device, config, embedded_below) for name, xml in xmls.items()}
     blobs = {}
     progress(f"compiling {', '.join(xmls)} for {device}")
     for i, (name, xml) in enumerate(xmls.items(), 1):
-        model = load(xml, weights=work / WEIGHTS_FILE)
-        if device == "CPU":
-            embed_small_constants(model)
-        try:
-            compiled = core().compile_model(model, device, config)
-            blob = compiled.export_model().getvalue()
-        except RuntimeError as exc:
-            raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
         path = work / blob_name(name, device)
-        write_bytes_atomic(path, blob)
-        blobs[name] = {"file": path.name, "bytes": len(blob), "compile_config": config,
-                       "import_config": _import_config(device, config, compiled)}
-        del compiled, model  # before the next compile: one compiled model (and its packed weights) at a time
-        progress(f"compiled for {device} ({i}/{len(xmls)}): {name}")
+        entry = cache.get(keys[name], name, path) if cache is not None else None
+        if entry is not None:
+            progress(f"reused from the blob cache ({i}/{len(xmls)}): {name} for {device}")
+        else:
+            done = compiler.compile(name, xml, work / WEIGHTS_FILE, device, config, path)
+            entry = {"file": path.name, "bytes": done["bytes"], "compile_config": config,
+                     "import_config": done["import_config"]}
+            if cache is not None:
+                cache.put(keys[name], path, entry)
+            progress(f"compiled for {device} ({i}/{len(xmls)}): {name}")
+        blobs[name] = entry
     return blobs
 
 
@@ -413,7 +429,7 @@ def embed_small_constants(model) -> None:
                 del rt[key]
 
 
-def _import_config(device: str, config: dict, compiled) -> dict:
+def import_config(device: str, config: dict, compiled) -> dict:
     """What import needs: a CPU blob forgets its arithmetic, so the precision and dynamic
     quantization the compile chose (asked for, or the plugin's default) are recorded as the
     compiled model reports them; weightless blobs (CPU, and NPU through NPUW) need the weights

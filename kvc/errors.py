@@ -42,6 +42,9 @@ class InvalidModelError(KvcError):
     def __post_init__(self) -> None:
         super().__init__(str(self))
 
+    def __reduce__(self):  # pickled by its fields (a device compile's process sends it back)
+        return (type(self), (self.code, self.file, self.reason, self.layer, self.expected, self.found))
+
     def __str__(self) -> str:
         where = self.file + (f": {self.layer}" if self.layer else "")
         text = f"{where}: {self.reason}"

@@ -209,8 +209,9 @@ def test_a_blob_that_does_not_import_is_never_published(tmp_path, source, monkey
     """Compile imports every blob as `kvc run` does: a blob that fails there fails compile."""
     import kvc.export.compile as compile_mod
 
-    real = compile_mod._import_config
-    monkeypatch.setattr(compile_mod, "_import_config",
+    monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch below applies to this process only
+    real = compile_mod.import_config
+    monkeypatch.setattr(compile_mod, "import_config",
                         lambda *args: {**real(*args), "WEIGHTS_PATH": "no-such-weights.bin"})
     out = tmp_path / "bad"
     result = kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", code=5)
@@ -244,6 +245,7 @@ def test_without_embedded_small_constants_the_blob_check_refuses_gptj(tmp_path, 
     """The blob check is what stands between that OpenVINO bug and a published directory."""
     import kvc.export.compile as compile_mod
 
+    monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch below applies to this process only
     monkeypatch.setattr(compile_mod, "embed_small_constants", lambda model: None)
     out = tmp_path / "gptj"
     result = kvc("compile", fixtures.path("gptj"), "-o", out, *SMALL, "--device", "CPU", code=5)

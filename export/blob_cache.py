@@ -1,0 +1,108 @@
+"""Blobs kept across compiles (`kvc compile --cache-dir DIR`), as OpenVINO's CACHE_DIR keeps
+compiled models (seed 000's model-cache layer): compiling a model again with one more
+generate variant, or for one more device, compiles only what is new.
+
+A blob is stored under the key of what determines its bytes (device compiles run in one
+fresh process state, `kvc.export.device_compile`, so nothing else does):
+
+* the static model's IR with every Const's offset left out, and per Const its size and the
+  sha256 of its bytes in weights.bin; the offset too for a Const the blob reads from
+  weights.bin at import (weightless, `embed_small_constants` keeps the smaller ones in the
+  blob): adding a variant moves the small constants kvc's passes made for the other
+  variants, not the model's weights, so the other models keep their keys;
+* the device, the compile configuration, the OpenVINO version and kvc's version.
+
+An entry is ``<key>.blob`` with ``<key>.json`` (the key's fields, the blob's size and sha256,
+what the manifest records for it), both written atomically. Before an entry is used its
+record must name the same key and the blob must have its recorded size and sha256; anything
+else (a stale, foreign, truncated or corrupted entry, a record that is not JSON) is
+recompiled and the entry replaced, with a warning. A reused blob is checked like a new one:
+`kvc compile` imports and runs every blob it publishes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+from kvc import __version__
+from kvc.export.manifest import openvino_version, sha256_file
+from kvc.ir.writer import write_bytes_atomic
+
+_CONST = re.compile(r'(<layer\b[^>]*\btype="Const"[^>]*>\s*<data\b[^>]*?)\boffset="(\d+)"\s+size="(\d+)"')
+_CHUNK = 1 << 22
+FORMAT = 1
+
+
+def const_ranges(xml_text: str) -> list[tuple[int, int]]:
+    """(offset, size) of every Const of an IR's XML in document order."""
+    return [(int(m.group(2)), int(m.group(3))) for m in _CONST.finditer(xml_text)]
+
+
+def range_digests(weights: Path, ranges) -> dict[tuple[int, int], str]:
+    """sha256 of each (offset, size) range of `weights`, reading the file once in order."""
+    pending = sorted(set(ranges))
+    hashers = {r: hashlib.sha256() for r in pending}
+    with open(weights, "rb") as f:
+        for offset, size in pending:
+            f.seek(offset)
+            left = size
+            while left:
+                block = f.read(min(left, _CHUNK))
+                if not block:
+                    raise ValueError(f"{weights}: range [{offset}, {offset + size}) is past the end of the file")
+                hashers[(offset, size)].update(block)
+                left -= len(block)
+    return {r: h.hexdigest() for r, h in hashers.items()}
+
+
+def blob_key(xml: Path, digests: dict[tuple[int, int], str], device: str, config: dict, embedded_below: int) -> str:
+    """The cache key of `xml` compiled for `device` with `config` (see the module docstring)."""
+    text = xml.read_text(encoding="utf-8")
+    consts = [(size, digests[(offset, size)], None if size < embedded_below else offset)
+              for offset, size in const_ranges(text)]
+    record = {"format": FORMAT, "kvc": __version__, "openvino": openvino_version(), "device": device,
+              "config": config, "graph": _CONST.sub(r'\1size="\3"', text), "consts": consts}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+class BlobCache:
+    """A directory of blobs by key; `warn` is told why an entry was not used."""
+
+    def __init__(self, directory: str | Path, warn=lambda message: None) -> None:
+        self.directory = Path(directory)
+        self.warn = warn
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        return self.directory / f"{key}.blob", self.directory / f"{key}.json"
+
+    def get(self, key: str, name: str, out: Path) -> dict | None:
+        """Copy the blob of `key` to `out` and return what the manifest records for it, or
+        None when there is no usable entry (`name`: the model, for the warning)."""
+        blob, record = self._paths(key)
+        if not record.exists():
+            return None
+        try:
+            meta = json.loads(record.read_text(encoding="utf-8"))
+            ok = (isinstance(meta, dict) and meta.get("key") == key and blob.is_file()
+                  and blob.stat().st_size == meta.get("bytes") and sha256_file(blob) == meta.get("sha256"))
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            self.warn(f"blob cache: the entry for {name} in {self.directory} is stale or damaged ({blob.name}); "
+                      f"compiling it again")
+            return None
+        shutil.copyfile(blob, out)
+        return meta["entry"]
+
+    def put(self, key: str, blob: Path, entry: dict) -> None:
+        """Store the compiled `blob` and its manifest `entry` under `key`."""
+        path, record = self._paths(key)
+        data = blob.read_bytes()
+        write_bytes_atomic(path, data)
+        meta = {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "entry": entry}
+        write_bytes_atomic(record, json.dumps(meta, sort_keys=True, indent=1).encode())

@@ -1,0 +1,122 @@
+"""kvc compile --cache-dir: a blob compiled once is reused by a later compile that needs the
+same model for the same device and configuration, never when anything it depends on differs,
+and the output is byte-identical to a compile from scratch."""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import json
+import shutil
+
+import pytest
+
+from kvc import fixtures
+from kvc.export.compile import CompileOptions, compile_to
+from kvc.export.device_compile import DeviceCompiler
+from kvc.plan import StaticOptions
+
+SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The (model, device) pairs kvc compiled, in order."""
+    done = []
+    real = DeviceCompiler.compile
+
+    def counting(self, name, xml, weights, device, config, blob):
+        done.append((name, device))
+        return real(self, name, xml, weights, device, config, blob)
+
+    monkeypatch.setattr(DeviceCompiler, "compile", counting)
+    return done
+
+
+def same_tree(a, b) -> bool:
+    cmp = filecmp.dircmp(a, b)
+    names = cmp.left_list
+    return (not cmp.left_only and not cmp.right_only
+            and filecmp.cmpfiles(a, b, names, shallow=False)[0] == sorted(names))
+
+
+def compile_(path, out, cache, static=SMALL, **kw):
+    return compile_to(path, out, CompileOptions(static, cache_dir=cache, **kw))
+
+
+def test_one_more_variant_compiles_one_model_and_matches_a_fresh_compile(tmp_path, compiles):
+    cache = tmp_path / "cache"
+    compile_(fixtures.path("llama"), tmp_path / "a", cache)
+    assert compiles == [("prefill", "CPU"), ("generate-80", "CPU"), ("generate-128", "CPU")]
+    compiles.clear()
+    more = dataclasses.replace(SMALL, variants=(80, 96))
+    compile_(fixtures.path("llama"), tmp_path / "b", cache, more)
+    assert compiles == [("generate-96", "CPU")]
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "fresh", None, more)
+    assert len(compiles) == 4
+    assert same_tree(tmp_path / "b", tmp_path / "fresh")
+
+
+def test_one_more_device_compiles_only_its_blobs(tmp_path, compiles):
+    cache = tmp_path / "cache"
+    compile_(fixtures.path("llama"), tmp_path / "a", cache)
+    compiles.clear()
+    manifest = compile_(fixtures.path("llama"), tmp_path / "b", cache, devices=("CPU", "NPU"))
+    assert compiles == [("prefill", "NPU"), ("generate-80", "NPU"), ("generate-128", "NPU")]
+    assert manifest["blob_check"] and all(r["ok"] for r in manifest["blob_check"])
+    for name in ("prefill", "generate-80", "generate-128"):  # NPUW's blobs hold addresses: CPU ones are compared
+        assert filecmp.cmp(tmp_path / "a" / f"{name}.CPU.blob", tmp_path / "b" / f"{name}.CPU.blob", shallow=False)
+
+
+def test_a_damaged_or_foreign_entry_is_compiled_again(tmp_path, compiles):
+    cache = tmp_path / "cache"
+    compile_(fixtures.path("llama"), tmp_path / "a", cache)
+    records = sorted(cache.glob("*.json"))
+    blobs = [r.with_suffix(".blob") for r in records]
+    # One entry per kind of damage: a flipped byte, a blob from another entry under this key,
+    # a record naming another key, a record that is not JSON.
+    data = bytearray(blobs[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blobs[0].write_bytes(bytes(data))
+    shutil.copyfile(blobs[2], blobs[1])
+    meta = json.loads(records[2].read_text())
+    records[2].write_text(json.dumps({**meta, "key": "0" * 64}))
+    compiles.clear()
+    warnings = []
+    compile_to(fixtures.path("llama"), tmp_path / "b", CompileOptions(SMALL, cache_dir=cache),
+               progress=warnings.append)
+    assert len(compiles) == 3
+    assert sum("stale or damaged" in w for w in warnings) == 3
+    assert same_tree(tmp_path / "a", tmp_path / "b")
+    records[0].write_text("{not json")
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "c", cache)
+    assert len(compiles) == 1 and same_tree(tmp_path / "a", tmp_path / "c")
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "d", cache)  # every entry repaired
+    assert compiles == []
+
+
+def test_nothing_is_reused_across_weights_configuration_or_openvino_version(tmp_path, compiles, monkeypatch):
+    cache = tmp_path / "cache"
+    compile_(fixtures.path("llama"), tmp_path / "a", cache)
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "f32", cache, inference_precision="f32")
+    assert len(compiles) == 3
+    # The same graph over other weights: one float of the largest weight changed.
+    source = tmp_path / "source"
+    shutil.copytree(fixtures.path("llama"), source)
+    weights = source / "openvino_model.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    compiles.clear()
+    compile_(source, tmp_path / "other-weights", cache, verify=False)
+    assert len(compiles) == 3
+    import kvc.export.blob_cache as blob_cache
+
+    monkeypatch.setattr(blob_cache, "openvino_version", lambda: "2099.1")
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "other-openvino", cache)
+    assert len(compiles) == 3

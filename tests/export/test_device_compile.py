@@ -1,0 +1,77 @@
+"""Device compiles in forked processes: blobs that depend only on the model and its
+configuration, and failures that reach the user as the errors kvc raises in-process."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from kvc import fixtures
+from kvc.errors import DeviceError, InvalidModelError
+from kvc.export import device_compile
+from kvc.export.compile import CompileOptions, compile_to, device_config
+from kvc.export.device_compile import DeviceCompiler
+from kvc.plan import StaticOptions
+
+SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dc") / "llama"
+    compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+    return out
+
+
+def test_a_blob_does_not_depend_on_what_ran_before(compiled, tmp_path, monkeypatch):
+    """The same model compiled after other compiles, in a new server, and in kvc's own process
+    (KVC_DEVICE_COMPILE=in-process, after this test process compiled many models): the forked
+    compiles agree byte for byte with the published blob, the in-process one does not."""
+    config = device_config("CPU", for_export=True, precision="auto")
+    with DeviceCompiler() as compiler:
+        compiler.compile("generate-80", compiled / "generate-80.xml", compiled / "weights.bin", "CPU", config,
+                         tmp_path / "first.blob")
+        compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                         tmp_path / "after.blob")
+    published = (compiled / "prefill.CPU.blob").read_bytes()
+    assert (tmp_path / "after.blob").read_bytes() == published
+    monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")
+    with DeviceCompiler() as compiler:
+        compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                         tmp_path / "here.blob")
+        compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                         tmp_path / "here2.blob")
+    assert (tmp_path / "here2.blob").read_bytes() != published
+
+
+def test_errors_in_the_compiling_process_are_raised_as_they_are(compiled, tmp_path):
+    config = device_config("CPU", for_export=True, precision="auto")
+    with DeviceCompiler() as compiler:
+        with pytest.raises(InvalidModelError, match=r"no such file or directory \[missing-file\]"):
+            compiler.compile("prefill", compiled / "missing.xml", compiled / "weights.bin", "CPU", config,
+                             tmp_path / "a.blob")
+        with pytest.raises(DeviceError, match="compiling prefill for CPU failed: Wrong value fp7"):
+            compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU",
+                             {**config, "INFERENCE_PRECISION_HINT": "fp7"}, tmp_path / "a.blob")
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(OSError) as info:  # compile_to turns a full disk's OSError into exit 7
+            compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                             tmp_path / "a-file" / "a.blob")
+        assert info.value.errno == errno.EEXIST  # mkdir of the blob's directory: the errno came back
+        # The server goes on after each failure.
+        assert compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                                tmp_path / "ok.blob")["bytes"] == (tmp_path / "ok.blob").stat().st_size
+
+
+def test_a_compiling_process_that_dies_is_a_device_error_and_publishes_nothing(tmp_path, monkeypatch):
+    """A crash inside the plugin kills the forked child, not kvc: compile says which model and
+    how it died (exit 5) and publishes nothing."""
+    monkeypatch.setattr(device_compile, "_SERVER",
+                        "import os, signal, sys; sys.path = [p for p in sys.path if p not in ('', '.')]; "
+                        "import kvc.export.device_compile as d; "
+                        "d._compile_one = lambda request: os.kill(os.getpid(), signal.SIGSEGV); d._serve()")
+    out = tmp_path / "out"
+    with pytest.raises(DeviceError, match=r"compiling prefill for CPU failed: the compiling process died \(signal 11\)"):
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+    assert not out.exists() and not list(tmp_path.iterdir())
