@@ -107,7 +107,7 @@ class CompileRecorder:
         self.phase("report: reference per step", work)
         reference = OpenVINOSession(load(source), "CPU")
         self.against = "the static IR on kvc's numpy runtime against the source model on OpenVINO CPU f32"
-        for (prompt, n), got in zip(cases, ir_gens):
+        for (prompt, n, _), got in zip(cases, ir_gens):
             self.probe_steps.append({"prompt_tokens": len(prompt), "new_tokens": n,
                                      **per_step(greedy(reference, prompt, n), got)})
 

@@ -210,7 +210,7 @@ class StaticPipeline:
         return out["logits"][0, -1], kept
 
     def generate(self, prompt, new_tokens: int, *, reuse: int = 0, placed=(), sampling: Sampling | None = None,
-                 on_token=None) -> StaticGeneration:
+                 on_token=None, start_variant: int | None = None) -> StaticGeneration:
         """Decoding (greedy unless `sampling` says otherwise): prefill, then one generate step
         per token on the smallest variant that holds the prompt and R (moving up a variant when
         its past is full), until `new_tokens` or a stop token of `sampling`. `on_token(id)` is
@@ -219,9 +219,10 @@ class StaticPipeline:
         `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
         in chunks from there. It needs a chunked prefill and at least one token to compute.
-        `placed`: rows reused from another context (`prefill_prompt`)."""
+        `placed`: rows reused from another context (`prefill_prompt`). `start_variant`: see
+        `decode_from`."""
         return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed),
-                                sampling=sampling, on_token=on_token)
+                                sampling=sampling, on_token=on_token, start_variant=start_variant)
 
     def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0,
                        placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = ()) -> "Prefilled":
@@ -268,11 +269,20 @@ class StaticPipeline:
         gen.kv_rows = n
         return Prefilled(gen, last, new_tokens)
 
-    def decode_from(self, run: "Prefilled", *, sampling: Sampling | None = None, on_token=None) -> StaticGeneration:
-        """The second half of `generate`: the tokens after a prefilled prompt."""
+    def decode_from(self, run: "Prefilled", *, sampling: Sampling | None = None, on_token=None,
+                    start_variant: int | None = None) -> StaticGeneration:
+        """The second half of `generate`: the tokens after a prefilled prompt, from the
+        smallest variant that holds the prompt and R, or from `start_variant` (any variant
+        with a free row: compile's switch probe starts a long prompt on a small variant to
+        reach the next one in a few steps)."""
         L, gen, last, n = self.lengths, run.generation, run.last, len(run.generation.prompt)
         sizes = sorted(self.generate_sessions)
         variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
+        if start_variant is not None:
+            if start_variant not in self.generate_sessions or n > start_variant - L.tokens:
+                raise UsageError(f"cannot start a {n}-token prompt on generate variant {start_variant} "
+                                 f"(variants {', '.join(map(str, sizes))}; it must have a free row)")
+            variant = start_variant
         stored = n
         sampling = sampling or Sampling()
         choose = sampling.chooser()

@@ -2,32 +2,46 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from kvc.export.build import StaticModels
 
-def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[tuple[list[int], int]]:
+class Probe(NamedTuple):
+    """A compile probe: the prompt, how many tokens to generate, and the generate variant to
+    start on (None: the runtime's own choice, the smallest that holds the prompt and R)."""
+
+    prompt: list[int]
+    new_tokens: int
+    start: int | None = None
+
+
+def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]:
     """Compile's probes: deterministic prompts of 7 tokens and of C + 9 with a chunked prefill
     (33 without; at most P), `tokens` new tokens each (at most what fits). The second prompt
     runs a full chunk and then a partial one over a real past, so the prefill's reading of its
     past is checked, not only its first chunk (with 7 and 33 tokens at the default chunk of
     64, a prefill that ignored its past passed).
 
-    With several generate variants, a third probe exercises a switch: the longest prompt that
-    starts on the smallest usable variant T1 (T1 - R tokens), run until one step on the next
-    variant (R + 2 new tokens). A short prompt run to the switch instead took T1 steps, 1145
-    of them on kvc's numpy runtime at P 1728 (150 s of a 250M model's compile)."""
+    With several generate variants, a third probe exercises a switch: a prompt that fills the
+    smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
+    until one step on the next variant (4 new tokens after a prompt of T1 - 2). The runtime
+    itself would start such a prompt on a larger variant (it keeps R rows free); the probe
+    starts on T1 so that the switch costs a few steps, not R: a prompt of T1 - R tokens run
+    to the switch took R + 2 steps, 130 of them on kvc's numpy runtime for a 250M model with
+    variants 640 and 1152 (20 s of a 31 s compile); a 7-token prompt run to it took T1 steps."""
     from kvc.runtime.static_pipeline import max_new_tokens
 
     rng = np.random.default_rng(seed)
     cases = []
     for length in sorted({min(plan.prompt, 7), min(plan.prompt, plan.chunk + 9 if plan.chunk else 33)}):
-        cases.append((rng.integers(1, vocab, length).tolist(), min(tokens, max_new_tokens(plan, length))))
-    first = next((s for s in plan.sizes[:-1] if s - plan.response >= 1), None)
+        cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(tokens, max_new_tokens(plan, length))))
+    first = next((s for s in plan.sizes[:-1] if s - plan.tokens >= 2), None)
     if first is not None:
-        length = min(plan.prompt, first - plan.response)
+        length = min(plan.prompt, first - 2)
         n = first - length + plan.tokens + 1
-        cases.append((rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length))))
+        cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length)), first))
     return cases
 
 
@@ -44,8 +58,8 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
 
     pipeline = pipeline_from(Path(directory), manifest, "numpy")
     gens = []
-    for i, (prompt, n) in enumerate(cases, 1):
-        gens.append(pipeline.generate(prompt, n))
+    for i, probe in enumerate(cases, 1):
+        gens.append(pipeline.generate(probe.prompt, probe.new_tokens, start_variant=probe.start))
         if on_case is not None:
             on_case(i)
     return gens
@@ -64,7 +78,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
     reduced = reduced_precision(static.plan.kv_element_types, "numpy")
     limit = nrmse_limit(static.plan.kv_element_types)
     results = []
-    for (prompt, n), got in zip(cases, ir_gens):
+    for (prompt, n, _), got in zip(cases, ir_gens):
         verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
@@ -89,18 +103,18 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     # than the compile.
     steps = 2 * len(cases)
     prefilled = []
-    for i, (prompt, n) in enumerate(cases, 1):
+    for i, (prompt, n, _) in enumerate(cases, 1):
         run = pipe.prefill_prompt(prompt, n)
         prefilled.append((run, pipe.copy_rows(0, len(prompt))))
         if on_step is not None:
             on_step(i, steps)
     pipe.prefill.release()
     rows = []
-    for i, ((prompt, n), (run, kv)) in enumerate(zip(cases, prefilled)):
+    for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):
         for buffer in pipe.buffers.values():
             buffer[...] = 0
         pipe.restore_rows(kv, 0)
-        got = pipe.decode_from(run)
+        got = pipe.decode_from(run, start_variant=start)
         if on_step is not None:
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}

@@ -194,6 +194,47 @@ def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@dataclasses.dataclass(frozen=True)
+class HalveLatePastValues(Pass):
+    """A fault only a full variant can show: a generate model that reads the values of its
+    last past rows (from row 64 on) at half their size."""
+
+    name: ClassVar[str] = "test-halve-late-past-values"
+
+    def run(self, model):
+        import openvino.opset13 as ops
+
+        for p in model.get_parameters():
+            name = p.output(0).get_any_name()
+            if name.startswith("past_key_values") and "value" in name:
+                rows = p.get_partial_shape()[2].get_length()
+                factor = np.where(np.arange(rows) >= 64, 0.5, 1.0).astype(p.get_element_type().to_dtype())
+                targets = list(p.output(0).get_target_inputs())
+                half = ops.multiply(p.output(0), ops.constant(factor.reshape(1, 1, rows, 1)))
+                for t in targets:
+                    t.replace_source_output(half.output(0))
+        return PassResult(model, True)
+
+
+def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
+    """The switch probe starts a prompt of T1 - 2 tokens on the smallest variant T1 (80) and
+    runs into the next: a fault in how that variant reads its last rows is caught, which the
+    runtime's own choice (it starts a 64-token prompt on 128, keeping R free) never reaches."""
+    import kvc.export.build as build
+
+    real = build.branch_passes
+
+    def faulty(options):
+        branches = real(options)
+        branches["generate-80"] = [*branches["generate-80"], HalveLatePastValues()]
+        return branches
+
+    monkeypatch.setattr(build, "branch_passes", faulty)
+    with pytest.raises(VerificationError, match="prompt of 64 tokens"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
+    assert not (tmp_path / "out").exists()
+
+
 def test_force_replaces_only_when_complete(tmp_path):
     out = tmp_path / "out"
     compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))

@@ -197,8 +197,8 @@ def test_npu_blobs_are_checked_and_run_in_f32_whatever_the_host(tmp_path, source
                               "--device", "NPU", "--json").stdout)
     rows = manifest["blob_check"]
     assert {r["device"] for r in rows} == {"CPU", "NPU"} and all(r["ok"] for r in rows)
-    # The switch probe (80 - R = 16 tokens) runs from the 80 variant into the 128 one on every device.
-    assert [r["variants"] for r in rows if r["prompt_tokens"] == 16] == [[80, 128], [80, 128]]
+    # The switch probe (P = 64 tokens, started on 80) runs from the 80 variant into the 128 one on every device.
+    assert [r["variants"] for r in rows if r["prompt_tokens"] == 64] == [[80, 128], [80, 128]]
     blob = manifest["models"]["prefill"]["blobs"]["NPU"]
     assert blob["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
     data = json.loads(kvc("verify", out, "--backends", "npu", "--max-new-tokens", "4", "--json").stdout)

@@ -85,6 +85,23 @@ def test_variant_switch_happens_when_the_smaller_one_fills():
     assert gen.tokens == ref.tokens
 
 
+def test_a_generation_can_start_on_a_smaller_variant_and_switch_from_it():
+    """Compile's switch probe: a prompt of P = 64 tokens started on variant 80 (the runtime's
+    own choice is 128, keeping R rows free) fills it and switches, with the reference's
+    tokens; a variant that does not exist is refused."""
+    from kvc.errors import UsageError
+
+    pipe = pipeline("llama", "chunked", "numpy")
+    prompt = list(range(3, 67))
+    gen = pipe.generate(prompt, 18, start_variant=80)
+    assert gen.variants == [80] * 16 + [128]  # steps with 64..79 stored rows, then 80
+    assert pipe.generate(prompt, 18).variants == [128] * 17
+    ref = greedy(open_session(fixtures.path("llama"), "numpy"), prompt, 18)
+    assert gen.tokens == ref.tokens
+    with pytest.raises(UsageError, match="cannot start a 64-token prompt on generate variant 96"):
+        pipe.generate(prompt, 2, start_variant=96)
+
+
 def test_variants_share_one_buffer():
     pipe = pipeline("llama", "chunked", "numpy")
     spec = pipe.kv[0]
