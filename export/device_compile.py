@@ -19,8 +19,9 @@ on what ran before: for debugging a plugin crash, or a test that patches the com
 
 A request that fails in the child raises in kvc's process what the child raised (a kvc error
 or an OSError such as a full disk, pickled back over the server's own pipe; anything else is
-an internal error with the child's traceback); a child that dies (a crash in the plugin) is a DeviceError naming the model and the
-signal.
+an internal error with the child's traceback); a child that dies (a crash in the plugin) is
+a DeviceError naming the model and the signal. The server ignores Ctrl-C (kvc's process
+stops it by closing its input); a compiling child does not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import contextlib
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import traceback
@@ -124,11 +126,13 @@ def _serve() -> None:
 
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the reply channel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for line in sys.stdin:
         request = json.loads(line)
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.close(read)
             try:
                 reply = {"result": _compile_one(request)}
