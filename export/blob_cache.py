@@ -33,30 +33,12 @@ from kvc.export.manifest import openvino_version, sha256_file
 from kvc.ir.writer import write_bytes_atomic
 
 _CONST = re.compile(r'(<layer\b[^>]*\btype="Const"[^>]*>\s*<data\b[^>]*?)\boffset="(\d+)"\s+size="(\d+)"')
-_CHUNK = 1 << 22
 FORMAT = 1
 
 
 def const_ranges(xml_text: str) -> list[tuple[int, int]]:
     """(offset, size) of every Const of an IR's XML in document order."""
     return [(int(m.group(2)), int(m.group(3))) for m in _CONST.finditer(xml_text)]
-
-
-def range_digests(weights: Path, ranges) -> dict[tuple[int, int], str]:
-    """sha256 of each (offset, size) range of `weights`, reading the file once in order."""
-    pending = sorted(set(ranges))
-    hashers = {r: hashlib.sha256() for r in pending}
-    with open(weights, "rb") as f:
-        for offset, size in pending:
-            f.seek(offset)
-            left = size
-            while left:
-                block = f.read(min(left, _CHUNK))
-                if not block:
-                    raise ValueError(f"{weights}: range [{offset}, {offset + size}) is past the end of the file")
-                hashers[(offset, size)].update(block)
-                left -= len(block)
-    return {r: h.hexdigest() for r, h in hashers.items()}
 
 
 def blob_key(xml: Path, digests: dict[tuple[int, int], str], device: str, config: dict, embedded_below: int) -> str:

@@ -26,7 +26,7 @@ from typing import Callable
 
 from kvc import __version__
 from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
-from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, range_digests
+from kvc.export.blob_cache import BlobCache, blob_key, const_ranges
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
@@ -220,7 +220,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
     _phase(options, "passes, save the IR", work)
     static, xmls = _build_and_save(model_path, work, options, stated, progress)
-    for path in [work / WEIGHTS_FILE, *xmls.values()]:
+    # With a blob cache, the keys need each constant's hash: taken in the same read as the file's.
+    ranges = ([r for xml in xmls.values() for r in const_ranges(xml.read_text(encoding="utf-8"))]
+              if cache is not None else ())
+    hashes.start(work / WEIGHTS_FILE, ranges)
+    for path in xmls.values():
         hashes.start(path)
     models = {name: {"xml": xml.name, "pipeline": static.pipelines[name],
                      "inputs": port_table(static.models[name].inputs),
@@ -233,8 +237,9 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     static.models.clear()
     for device in options.devices:
         _phase(options, f"compile for {device}", work)
+        digests = hashes.range_digests(work / WEIGHTS_FILE, ranges) if cache is not None else None
         for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress, compiler,
-                                        cache).items():
+                                        cache, digests).items():
             models[name]["blobs"][device] = blob
             hashes.start(work / blob["file"])
     manifest = {
@@ -328,15 +333,13 @@ def _require_kv_cache(model, file: Path) -> None:
 
 
 def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress, compiler,
-                  cache: BlobCache | None) -> dict[str, dict]:
+                  cache: BlobCache | None, digests: dict | None) -> dict[str, dict]:
     """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
-    write its blob, or take it from `cache` when it holds that model's blob; the manifest
-    entry of each."""
+    write its blob, or take it from `cache` when it holds that model's blob (`digests`: the
+    sha256 of every constant's bytes in weights.bin); the manifest entry of each."""
     config = device_config(device, for_export=True, precision=precision)
     keys = {}
     if cache is not None:
-        texts = {name: xml.read_text(encoding="utf-8") for name, xml in xmls.items()}
-        digests = range_digests(work / WEIGHTS_FILE, [r for t in texts.values() for r in const_ranges(t)])
         embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
         keys = {name: blob_key(xml, digests, device, config, embedded_below) for name, xml in xmls.items()}
     blobs = {}

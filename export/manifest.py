@@ -30,11 +30,33 @@ FORMAT = 3
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+    return sha256_file_and_ranges(path, (), chunk)[0]
+
+
+def sha256_file_and_ranges(path: Path, ranges, chunk: int = 1 << 22) -> tuple[str, dict[tuple[int, int], str]]:
+    """sha256 of a file and of each (offset, size) range of it, in one sequential read."""
+    whole = hashlib.sha256()
+    pending = sorted(set(ranges))
+    parts = {r: hashlib.sha256() for r in pending}
+    active: list[tuple[int, int]] = []
+    i = pos = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+            end, view = pos + len(block), memoryview(block)
+            while i < len(pending) and pending[i][0] < end:
+                active.append(pending[i])
+                i += 1
+            for offset, size in active:
+                a, b = max(offset, pos), min(offset + size, end)
+                if a < b:
+                    parts[(offset, size)].update(view[a - pos:b - pos])
+            active = [(o, n) for o, n in active if o + n > end]
+            whole.update(block)
+            pos = end
+    beyond = active + [(o, n) for o, n in pending[i:] if o + n > pos]
+    if beyond:
+        raise ValueError(f"{path}: range {beyond[0]} is past the end of the file ({pos} bytes)")
+    return whole.hexdigest(), {r: h.hexdigest() for r, h in parts.items()}
 
 
 def source_files(path: Path) -> list[Path]:
@@ -107,8 +129,9 @@ class BackgroundHashes:
     file reads release the GIL): `kvc compile` starts the source's hashes before loading it and
     each output's as soon as it is final, instead of reading 2 GB at the start and the end
     (1.5 s of a 250M model's 9.7 s compile, on cores the passes and the device compile
-    leave idle). A file that changed after its hash started (size or mtime) is hashed again
-    when asked for; a hashing error is raised where the result is asked for."""
+    leave idle). A file that changed after its hash started (size or mtime), or asked for
+    ranges its hash did not cover, is hashed again when asked for; a hashing error is raised
+    where the result is asked for."""
 
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -116,17 +139,26 @@ class BackgroundHashes:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-sha256")
         self._jobs: dict[Path, tuple] = {}
 
-    def start(self, path: Path) -> None:
+    def start(self, path: Path, ranges=()) -> None:
+        """Hash `path`, and each (offset, size) of `ranges` in the same read (the blob cache's
+        keys: `range_digests`)."""
         st = path.stat()
-        self._jobs[path] = ((st.st_size, st.st_mtime_ns), self._pool.submit(sha256_file, path))
+        ranges = tuple(ranges)
+        self._jobs[path] = ((st.st_size, st.st_mtime_ns), ranges,
+                            self._pool.submit(sha256_file_and_ranges, path, ranges))
+
+    def _result(self, path: Path, ranges=()) -> tuple[str, dict]:
+        st = path.stat()
+        stamp, started, job = self._jobs.get(path, (None, (), None))
+        if job is None or stamp != (st.st_size, st.st_mtime_ns) or not set(ranges) <= set(started):
+            return sha256_file_and_ranges(path, ranges)
+        return job.result()
 
     def entry(self, path: Path) -> dict:
-        st = path.stat()
-        stamp, job = self._jobs.get(path, (None, None))
-        if job is None or stamp != (st.st_size, st.st_mtime_ns):
-            return file_entry(path)
-        digest = job.result()
-        return {"bytes": st.st_size, "sha256": digest}
+        return {"bytes": path.stat().st_size, "sha256": self._result(path)[0]}
+
+    def range_digests(self, path: Path, ranges) -> dict[tuple[int, int], str]:
+        return self._result(path, ranges)[1]
 
     def __enter__(self) -> BackgroundHashes:
         return self

@@ -464,3 +464,22 @@ def test_background_hashes_rehash_a_file_changed_after_its_hash_started(tmp_path
         assert hashes.entry(a) == {"bytes": 6000, "sha256": hashlib.sha256(b"second" * 1000).hexdigest()}
         assert hashes.entry(b) == {"bytes": 4, "sha256": hashlib.sha256(b"kept").hexdigest()}
         assert hashes.entry(tmp_path / "a") == hashes.entry(a)
+
+
+def test_file_and_range_hashes_in_one_read(tmp_path):
+    """The blob cache's keys hash each constant's bytes in the same read as the manifest's hash
+    of weights.bin: ranges across read chunks, overlapping and at the end agree with hashing
+    each slice alone; a range past the end is refused."""
+    import hashlib
+
+    from kvc.export.manifest import sha256_file_and_ranges
+
+    data = np.random.default_rng(0).integers(0, 256, 10_000, np.uint8).tobytes()
+    path = tmp_path / "w.bin"
+    path.write_bytes(data)
+    ranges = [(0, 10), (5, 3000), (4090, 20), (9000, 1000), (9999, 1), (100, 0), (10_000, 0)]
+    whole, parts = sha256_file_and_ranges(path, ranges, chunk=4096)
+    assert whole == hashlib.sha256(data).hexdigest()
+    assert parts == {(o, n): hashlib.sha256(data[o:o + n]).hexdigest() for o, n in ranges}
+    with pytest.raises(ValueError, match="past the end of the file"):
+        sha256_file_and_ranges(path, [(9990, 20)], chunk=4096)
