@@ -30,33 +30,28 @@ FORMAT = 3
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    return sha256_file_and_ranges(path, (), chunk)[0]
-
-
-def sha256_file_and_ranges(path: Path, ranges, chunk: int = 1 << 22) -> tuple[str, dict[tuple[int, int], str]]:
-    """sha256 of a file and of each (offset, size) range of it, in one sequential read."""
-    whole = hashlib.sha256()
-    pending = sorted(set(ranges))
-    parts = {r: hashlib.sha256() for r in pending}
-    active: list[tuple[int, int]] = []
-    i = pos = 0
+    h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            end, view = pos + len(block), memoryview(block)
-            while i < len(pending) and pending[i][0] < end:
-                active.append(pending[i])
-                i += 1
-            for offset, size in active:
-                a, b = max(offset, pos), min(offset + size, end)
-                if a < b:
-                    parts[(offset, size)].update(view[a - pos:b - pos])
-            active = [(o, n) for o, n in active if o + n > end]
-            whole.update(block)
-            pos = end
-    beyond = active + [(o, n) for o, n in pending[i:] if o + n > pos]
-    if beyond:
-        raise ValueError(f"{path}: range {beyond[0]} is past the end of the file ({pos} bytes)")
-    return whole.hexdigest(), {r: h.hexdigest() for r, h in parts.items()}
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_ranges(path: Path, ranges, chunk: int = 1 << 22) -> dict[tuple[int, int], str]:
+    """sha256 of each (offset, size) range of a file, read in file order."""
+    out = {}
+    with open(path, "rb") as f:
+        for offset, size in sorted(set(ranges)):
+            h, left = hashlib.sha256(), size
+            f.seek(offset)
+            while left:
+                block = f.read(min(left, chunk))
+                if not block:
+                    raise ValueError(f"{path}: range ({offset}, {size}) is past the end of the file")
+                h.update(block)
+                left -= len(block)
+            out[(offset, size)] = h.hexdigest()
+    return out
 
 
 def source_files(path: Path) -> list[Path]:
@@ -137,28 +132,36 @@ class BackgroundHashes:
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-sha256")
+        self._ranges_pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-sha256-ranges")
         self._jobs: dict[Path, tuple] = {}
+        self._range_jobs: dict[Path, tuple] = {}
 
     def start(self, path: Path, ranges=()) -> None:
-        """Hash `path`, and each (offset, size) of `ranges` in the same read (the blob cache's
-        keys: `range_digests`)."""
+        """Hash `path`; with `ranges`, also each (offset, size) of it, on a second thread (the
+        blob cache's keys, `range_digests`: two cores hash the file at once)."""
         st = path.stat()
-        ranges = tuple(ranges)
-        self._jobs[path] = ((st.st_size, st.st_mtime_ns), ranges,
-                            self._pool.submit(sha256_file_and_ranges, path, ranges))
+        stamp = (st.st_size, st.st_mtime_ns)
+        self._jobs[path] = (stamp, self._pool.submit(sha256_file, path))
+        if ranges:
+            ranges = tuple(ranges)
+            self._range_jobs[path] = (stamp, ranges, self._ranges_pool.submit(sha256_ranges, path, ranges))
 
-    def _result(self, path: Path, ranges=()) -> tuple[str, dict]:
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int]:
         st = path.stat()
-        stamp, started, job = self._jobs.get(path, (None, (), None))
-        if job is None or stamp != (st.st_size, st.st_mtime_ns) or not set(ranges) <= set(started):
-            return sha256_file_and_ranges(path, ranges)
-        return job.result()
+        return st.st_size, st.st_mtime_ns
 
     def entry(self, path: Path) -> dict:
-        return {"bytes": path.stat().st_size, "sha256": self._result(path)[0]}
+        stamp, job = self._jobs.get(path, (None, None))
+        if job is None or stamp != self._stamp(path):
+            return file_entry(path)
+        return {"bytes": stamp[0], "sha256": job.result()}
 
     def range_digests(self, path: Path, ranges) -> dict[tuple[int, int], str]:
-        return self._result(path, ranges)[1]
+        stamp, started, job = self._range_jobs.get(path, (None, (), None))
+        if job is None or stamp != self._stamp(path) or not set(ranges) <= set(started):
+            return sha256_ranges(path, ranges)
+        return job.result()
 
     def __enter__(self) -> BackgroundHashes:
         return self
@@ -166,6 +169,7 @@ class BackgroundHashes:
     def __exit__(self, *exc) -> None:
         """Hashes not begun are dropped (a failed compile does not wait for them)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ranges_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_structure(manifest: dict, path: Path) -> None:

@@ -466,20 +466,26 @@ def test_background_hashes_rehash_a_file_changed_after_its_hash_started(tmp_path
         assert hashes.entry(tmp_path / "a") == hashes.entry(a)
 
 
-def test_file_and_range_hashes_in_one_read(tmp_path):
-    """The blob cache's keys hash each constant's bytes in the same read as the manifest's hash
-    of weights.bin: ranges across read chunks, overlapping and at the end agree with hashing
-    each slice alone; a range past the end is refused."""
+def test_range_hashes_for_the_blob_cache(tmp_path):
+    """The blob cache's keys hash each constant's bytes (on a second thread beside the
+    manifest's hash of weights.bin): overlapping, empty and final ranges agree with hashing
+    each slice alone; a range past the end is refused; a file changed since is hashed again."""
     import hashlib
 
-    from kvc.export.manifest import sha256_file_and_ranges
+    from kvc.export.manifest import BackgroundHashes, sha256_ranges
 
     data = np.random.default_rng(0).integers(0, 256, 10_000, np.uint8).tobytes()
     path = tmp_path / "w.bin"
     path.write_bytes(data)
     ranges = [(0, 10), (5, 3000), (4090, 20), (9000, 1000), (9999, 1), (100, 0), (10_000, 0)]
-    whole, parts = sha256_file_and_ranges(path, ranges, chunk=4096)
-    assert whole == hashlib.sha256(data).hexdigest()
-    assert parts == {(o, n): hashlib.sha256(data[o:o + n]).hexdigest() for o, n in ranges}
+    expected = {(o, n): hashlib.sha256(data[o:o + n]).hexdigest() for o, n in ranges}
+    assert sha256_ranges(path, ranges, chunk=4096) == expected
     with pytest.raises(ValueError, match="past the end of the file"):
-        sha256_file_and_ranges(path, [(9990, 20)], chunk=4096)
+        sha256_ranges(path, [(9990, 20)])
+    with BackgroundHashes() as hashes:
+        hashes.start(path, ranges)
+        assert hashes.range_digests(path, ranges) == expected
+        assert hashes.entry(path)["sha256"] == hashlib.sha256(data).hexdigest()
+        path.write_bytes(data[::-1])
+        os.utime(path, ns=(0, 10**9))
+        assert hashes.range_digests(path, [(0, 10)]) == {(0, 10): hashlib.sha256(data[::-1][:10]).hexdigest()}
