@@ -158,48 +158,13 @@ def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
 
 @dataclasses.dataclass(frozen=True)
 class HalvePastValues(Pass):
-    """A fault only a prefill chunk over a real past can show: the prefill reads its past
-    values at half their size (an empty past is masked, so the first chunk is unaffected)."""
+    """A fault in how a model reads its past: the values of its past rows from `from_row` on
+    at half their size. In the prefill (every row) only a chunk over a real past shows it (an
+    empty past is masked); in a generate variant from row 64 on, only a variant run nearly
+    full."""
 
     name: ClassVar[str] = "test-halve-past-values"
-
-    def run(self, model):
-        import openvino.opset13 as ops
-
-        for p in model.get_parameters():
-            if p.output(0).get_any_name().startswith("past_key_values") and "value" in p.output(0).get_any_name():
-                targets = list(p.output(0).get_target_inputs())
-                half = ops.multiply(p.output(0), ops.constant(np.array(0.5, p.get_element_type().to_dtype())))
-                for t in targets:
-                    t.replace_source_output(half.output(0))
-        return PassResult(model, True)
-
-
-def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
-    """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
-    33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""
-    import kvc.export.build as build
-
-    real = build.branch_passes
-
-    def faulty(options):
-        branches = real(options)
-        branches["prefill"] = [*branches["prefill"], HalvePastValues()]
-        return branches
-
-    monkeypatch.setattr(build, "branch_passes", faulty)
-    options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=64)
-    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
-        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
-    assert not (tmp_path / "out").exists()
-
-
-@dataclasses.dataclass(frozen=True)
-class HalveLatePastValues(Pass):
-    """A fault only a full variant can show: a generate model that reads the values of its
-    last past rows (from row 64 on) at half their size."""
-
-    name: ClassVar[str] = "test-halve-late-past-values"
+    from_row: int = 0
 
     def run(self, model):
         import openvino.opset13 as ops
@@ -208,7 +173,7 @@ class HalveLatePastValues(Pass):
             name = p.output(0).get_any_name()
             if name.startswith("past_key_values") and "value" in name:
                 rows = p.get_partial_shape()[2].get_length()
-                factor = np.where(np.arange(rows) >= 64, 0.5, 1.0).astype(p.get_element_type().to_dtype())
+                factor = np.where(np.arange(rows) >= self.from_row, 0.5, 1.0).astype(p.get_element_type().to_dtype())
                 targets = list(p.output(0).get_target_inputs())
                 half = ops.multiply(p.output(0), ops.constant(factor.reshape(1, 1, rows, 1)))
                 for t in targets:
@@ -216,20 +181,35 @@ class HalveLatePastValues(Pass):
         return PassResult(model, True)
 
 
-def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
-    """The switch probe starts a prompt of T1 - 2 tokens on the smallest variant T1 (80) and
-    runs into the next: a fault in how that variant reads its last rows is caught, which the
-    runtime's own choice (it starts a 64-token prompt on 128, keeping R free) never reaches."""
+def _fault_in(monkeypatch, branch: str, fault: Pass) -> None:
+    """Append `fault` to the passes of one static model's branch."""
     import kvc.export.build as build
 
     real = build.branch_passes
 
     def faulty(options):
         branches = real(options)
-        branches["generate-80"] = [*branches["generate-80"], HalveLatePastValues()]
+        branches[branch] = [*branches[branch], fault]
         return branches
 
     monkeypatch.setattr(build, "branch_passes", faulty)
+
+
+def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
+    """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
+    33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""
+    _fault_in(monkeypatch, "prefill", HalvePastValues())
+    options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=64)
+    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
+    """The switch probe starts a prompt of T1 - 2 tokens on the smallest variant T1 (80) and
+    runs into the next: a fault in how that variant reads its last rows is caught, which the
+    runtime's own choice (it starts a 64-token prompt on 128, keeping R free) never reaches."""
+    _fault_in(monkeypatch, "generate-80", HalvePastValues(from_row=64))
     with pytest.raises(VerificationError, match="prompt of 64 tokens"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
     assert not (tmp_path / "out").exists()
