@@ -21,7 +21,10 @@ A request that fails in the child raises in kvc's process what the child raised 
 or an OSError such as a full disk, pickled back over the server's own pipe; anything else is
 an internal error with the child's traceback); a child that dies (a crash in the plugin) is
 a DeviceError naming the model and the signal. The server ignores Ctrl-C (kvc's process
-stops it by closing its input); a compiling child does not.
+stops it by closing its input, which also kills a compiling child); a child keeps the Ctrl-C
+disposition kvc had. The server and its child die with kvc (PR_SET_PDEATHSIG): a killed
+compile leaves no compile running. Replies go over a copy of the server's original stdout;
+fd 1 itself is pointed at stderr, so the plugin's own prints cannot mix into them.
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ from pathlib import Path
 from kvc.errors import DeviceError, KvcError
 
 
-_SERVER = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.')]; "
-           "from kvc.export.device_compile import _serve; _serve()")
+# Ctrl-C is ignored before anything else (the imports take a second); the disposition kvc
+# had is restored in each compiling child. Only the entry `-c` puts first on sys.path (the
+# working directory) is dropped: kvc's source tree would shadow the installed kvc.
+_SERVER = ("import signal; inherited = signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+           "sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; "
+           "from kvc.export.device_compile import _serve; _serve(inherited)")
 
 
 class DeviceCompiler:
@@ -54,22 +61,25 @@ class DeviceCompiler:
     def __enter__(self) -> DeviceCompiler:
         if os.environ.get("KVC_DEVICE_COMPILE") == "in-process":
             return self
-        # Not `-m`: the working directory would come first on sys.path, and kvc's source tree
-        # (whose kvc/ holds only part of the package) would shadow the installed kvc.
         self._server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
+        """Stop the server: by closing its input (it stops a compiling child then), or at once
+        when the compile failed or was interrupted (its child dies with it: PDEATHSIG)."""
         server, self._server = self._server, None
-        if server is not None:
-            with contextlib.suppress(OSError):  # a server that died has closed its end
-                server.stdin.close()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+        if server is None:
+            return
+        if exc_type is not None:
+            server.kill()
+        with contextlib.suppress(OSError):  # a server that died has closed its end
+            server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
     def compile(self, name: str, xml: Path, weights: Path, device: str, config: dict, blob: Path) -> dict:
         """Compile `xml` (over `weights`) for `device` with `config` in a fresh fork; write the
@@ -85,8 +95,12 @@ class DeviceCompiler:
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
-            raise RuntimeError(f"kvc's device compile server stopped (exit status {self._server.poll()})")
-        reply = json.loads(line)
+            status = self._server.wait()
+            raise RuntimeError(f"kvc's device compile server stopped (exit status {status})")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise RuntimeError(f"kvc's device compile server replied {line[:200]!r}, not JSON") from None
         if "died" in reply:
             raise DeviceError(f"compiling {name} for {device} failed: the compiling process died ({reply['died']})")
         if "raise" in reply:
@@ -116,40 +130,95 @@ def _compile_one(request: dict) -> dict:
     return {"bytes": len(blob), "import_config": import_config(device, config, compiled)}
 
 
-def _serve() -> None:
-    """The server: one request per line on stdin, one reply per line on stdout, each
-    request compiled in a child forked from this (unchanged) state."""
+def _die_with_parent() -> None:
+    """Be killed when the process that started this one dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(inherited_sigint=signal.SIG_DFL) -> None:
+    """The server: one request per line on stdin, one reply per line on the file descriptor
+    that was stdout, each request compiled in a child forked from this (unchanged) state.
+    Everything else written to stdout, by Python or by the plugin's own code, goes to stderr
+    (fd 1 is made a copy of fd 2), so nothing can mix into the replies. The server and each
+    child die with their parent; input closing while a child compiles kills the child."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # kvc died before the line above
+        return
     import openvino  # noqa: F401  (the state every child starts from)
 
     import kvc.export.compile  # noqa: F401
     import kvc.ir.reader  # noqa: F401
 
-    out = sys.stdout
-    sys.stdout = sys.stderr  # nothing else may write to the reply channel
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    child_sigint = signal.SIG_IGN if inherited_sigint == signal.SIG_IGN else signal.SIG_DFL
     for line in sys.stdin:
         request = json.loads(line)
         read, write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the child
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.close(read)
+        if pid == 0:  # the child: never returns into this loop
+            status = 1
             try:
-                reply = {"result": _compile_one(request)}
-            except (KvcError, OSError) as exc:  # raised again in kvc's process, as it is
-                reply = {"raise": base64.b64encode(pickle.dumps(exc)).decode()}
-            except BaseException:
-                reply = {"error": traceback.format_exc()}
-            with os.fdopen(write, "w") as f:
-                f.write(json.dumps(reply))
-            os._exit(0)
+                signal.signal(signal.SIGINT, child_sigint)
+                _die_with_parent()
+                os.close(read)
+                replies.close()
+                status = _child(request, write)
+            finally:
+                os._exit(status)
         os.close(write)
-        with os.fdopen(read) as f:
-            text = f.read()
-        _, status = os.waitpid(pid, 0)
-        if not text:
-            text = json.dumps({"died": f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-                               else f"exit status {os.WEXITSTATUS(status)}"})
-        out.write(text + "\n")
-        out.flush()
+        text = _await_child(read, pid)
+        replies.write(text + "\n")
+        replies.flush()
 
+
+def _child(request: dict, write: int) -> int:
+    """Compile `request` and write the reply to `write`; the exit status."""
+    try:
+        reply = {"result": _compile_one(request)}
+    except (KvcError, OSError) as exc:  # raised again in kvc's process, as it is, if it can be
+        try:
+            data = pickle.dumps(exc)
+            pickle.loads(data)
+            reply = {"raise": base64.b64encode(data).decode()}
+        except Exception:
+            reply = {"error": "".join(traceback.format_exception(exc))}
+    except BaseException:
+        reply = {"error": traceback.format_exc()}
+    with os.fdopen(write, "w") as f:
+        f.write(json.dumps(reply))
+    return 0
+
+
+def _await_child(read: int, pid: int) -> str:
+    """The child's reply, or why it gave none; a child still compiling when the server's input
+    closes (kvc stopped) is killed."""
+    import select
+
+    chunks = []
+    while True:
+        ready, _, _ = select.select([read, sys.stdin], [], [])
+        if read in ready:
+            data = os.read(read, 1 << 16)
+            if not data:
+                break
+            chunks.append(data)
+        elif sys.stdin in ready:  # nothing more may come from kvc: it stopped
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read)
+            sys.exit(0)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode()
+    if not text:
+        text = json.dumps({"died": f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                           else f"exit status {os.WEXITSTATUS(status)}"})
+    return text

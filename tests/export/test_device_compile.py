@@ -75,3 +75,56 @@ def test_a_compiling_process_that_dies_is_a_device_error_and_publishes_nothing(t
     with pytest.raises(DeviceError, match=r"compiling prefill for CPU failed: the compiling process died \(signal 11\)"):
         compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_what_the_plugin_prints_does_not_mix_into_the_replies(compiled, tmp_path, monkeypatch):
+    """fd 1 of the compiling process is stderr: 12 KB written there by native code (here
+    os.write, as a plugin's printf would) leave the reply intact."""
+    monkeypatch.setattr(device_compile, "_SERVER",
+                        "import os, sys; sys.path[:1] = []; import kvc.export.device_compile as d; real = d._compile_one; "
+                        "d._compile_one = lambda request: (os.write(1, b'plugin says hello\\n' * 700), real(request))[1]; "
+                        "d._serve()")
+    config = device_config("CPU", for_export=True, precision="auto")
+    with DeviceCompiler() as compiler:
+        got = compiler.compile("prefill", compiled / "prefill.xml", compiled / "weights.bin", "CPU", config,
+                               tmp_path / "a.blob")
+    assert got["bytes"] == (tmp_path / "a.blob").stat().st_size
+
+
+def test_a_killed_compile_leaves_no_compiling_process(tmp_path):
+    """kill -9 of kvc while a child compiles: the server and the child die with it, and
+    nothing is written afterwards."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "started"
+    script = f"""
+import sys
+from pathlib import Path
+import kvc.export.device_compile as d
+d._SERVER = ("import sys, time; sys.path[:1] = []; import kvc.export.device_compile as d; "
+             "d._compile_one = lambda request: (open({str(marker)!r}, 'w').close(), time.sleep(60)); d._serve()")
+with d.DeviceCompiler() as c:
+    c.compile("prefill", Path("x.xml"), Path("w.bin"), "CPU", {{}}, Path({str(tmp_path / 'late.blob')!r}))
+"""
+    kvc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    for _ in range(300):
+        if marker.exists():
+            break
+        time.sleep(0.05)
+    assert marker.exists(), "the child started compiling"
+    children = subprocess.run(["pgrep", "-P", str(kvc.pid)], capture_output=True, text=True).stdout.split()
+    server = int(children[0])
+    child = int(subprocess.run(["pgrep", "-P", str(server)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(kvc.pid, signal.SIGKILL)
+    kvc.wait()
+    for _ in range(100):
+        alive = [p for p in (server, child) if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, "the server and its compiling child died with kvc"
