@@ -26,7 +26,7 @@ from typing import Callable
 
 from kvc import __version__
 from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
-from kvc.export.blob_cache import BlobCache, blob_key, const_ranges
+from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, keyable
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
@@ -341,19 +341,20 @@ def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str
     keys = {}
     if cache is not None:
         embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
-        keys = {name: blob_key(xml, digests, device, config, embedded_below) for name, xml in xmls.items()}
+        keys = {name: blob_key(xml, digests, device, config, embedded_below) for name, xml in xmls.items()
+                if keyable(xml.read_text(encoding="utf-8"))}
     blobs = {}
     progress(f"compiling {', '.join(xmls)} for {device}")
     for i, (name, xml) in enumerate(xmls.items(), 1):
         path = work / blob_name(name, device)
-        entry = cache.get(keys[name], name, path) if cache is not None else None
+        entry = cache.get(keys[name], name, path) if name in keys else None
         if entry is not None:
             progress(f"reused from the blob cache ({i}/{len(xmls)}): {name} for {device}")
         else:
             done = compiler.compile(name, xml, work / WEIGHTS_FILE, device, config, path)
             entry = {"file": path.name, "bytes": done["bytes"], "compile_config": config,
                      "import_config": done["import_config"]}
-            if cache is not None:
+            if name in keys:
                 cache.put(keys[name], path, entry)
             progress(f"compiled for {device} ({i}/{len(xmls)}): {name}")
         blobs[name] = entry
@@ -413,8 +414,8 @@ def _phase(options: CompileOptions, name: str, work: Path) -> None:
 
 
 def embed_small_constants(model) -> None:
-    """Make a weightless blob carry every constant under 1 KB itself, reading only the real
-    weights from weights.bin at import.
+    """Make a weightless blob carry every constant under SMALL_CONSTANT_BYTES (16 KB) itself,
+    reading only the real weights from weights.bin at import.
 
     OpenVINO 2026.4.1's CPU plugin restores weightless constants from WEIGHTS_PATH by their
     recorded offset, size and element type. For i64 constants holding values outside the i32

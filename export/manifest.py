@@ -124,8 +124,8 @@ class BackgroundHashes:
     file reads release the GIL): `kvc compile` starts the source's hashes before loading it and
     each output's as soon as it is final, instead of reading 2 GB at the start and the end
     (1.5 s of a 250M model's 9.7 s compile, on cores the passes and the device compile
-    leave idle). A file that changed after its hash started (size or mtime), or asked for
-    ranges its hash did not cover, is hashed again when asked for; a hashing error is raised
+    leave idle). A file that changed after its hash started (size, mtime, ctime or inode), or
+    asked for ranges its hash did not cover, is hashed again when asked for; a hashing error is raised
     where the result is asked for."""
 
     def __init__(self) -> None:
@@ -139,17 +139,18 @@ class BackgroundHashes:
     def start(self, path: Path, ranges=()) -> None:
         """Hash `path`; with `ranges`, also each (offset, size) of it, on a second thread (the
         blob cache's keys, `range_digests`: two cores hash the file at once)."""
-        st = path.stat()
-        stamp = (st.st_size, st.st_mtime_ns)
+        stamp = self._stamp(path)
         self._jobs[path] = (stamp, self._pool.submit(sha256_file, path))
         if ranges:
             ranges = tuple(ranges)
             self._range_jobs[path] = (stamp, ranges, self._ranges_pool.submit(sha256_ranges, path, ranges))
 
     @staticmethod
-    def _stamp(path: Path) -> tuple[int, int]:
+    def _stamp(path: Path) -> tuple[int, ...]:
+        """What changes when a file is rewritten or replaced: a write moves ctime (which no
+        utime can set back), a replacement the inode."""
         st = path.stat()
-        return st.st_size, st.st_mtime_ns
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
     def entry(self, path: Path) -> dict:
         stamp, job = self._jobs.get(path, (None, None))

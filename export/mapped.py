@@ -17,8 +17,10 @@ After each import kvc asks the kernel to drop the new mappings' pages from the p
   dropping pages loses nothing. The file's pages stay in the page cache, and a page touched
   again (the embedding table, which Gather reads in place) is faulted back in with the same
   content;
-* nothing runs between reading the maps and the call: the import has returned and owns its
-  mapping until the compiled model is released.
+* nothing of kvc's runs between reading the maps and the call: the import has returned and
+  owns its mapping until the compiled model is released. (Another thread of the process that
+  unmapped that range and mapped anonymous memory at the same address in that instant would
+  lose its pages: kvc opens a directory on one thread and starts none.)
 
 Where this is not Linux, or the file is not found mapped, nothing is done.
 """

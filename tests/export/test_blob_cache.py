@@ -120,3 +120,41 @@ def test_nothing_is_reused_across_weights_configuration_or_openvino_version(tmp_
     compiles.clear()
     compile_(fixtures.path("llama"), tmp_path / "other-openvino", cache)
     assert len(compiles) == 3
+
+
+def test_another_host_cpu_is_another_key(tmp_path, compiles, monkeypatch):
+    """With the plugin's default precision a CPU blob follows the host's instruction set: a
+    cache directory shared with another machine hands out none of its blobs."""
+    import kvc.export.blob_cache as blob_cache
+
+    cache = tmp_path / "cache"
+    compile_(fixtures.path("llama"), tmp_path / "a", cache)
+    real = blob_cache.host
+    monkeypatch.setattr(blob_cache, "host", lambda: {**real(), "cpu": "another CPU"})
+    compiles.clear()
+    compile_(fixtures.path("llama"), tmp_path / "b", cache)
+    assert len(compiles) == 3
+
+
+def test_a_cache_that_cannot_be_written_is_said_and_skipped(tmp_path, monkeypatch):
+    import errno
+
+    import kvc.export.blob_cache as blob_cache
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(blob_cache, "write_bytes_atomic", full)
+    said = []
+    compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL, cache_dir=tmp_path / "cache"),
+               progress=said.append)
+    assert (tmp_path / "out" / "manifest.json").exists()
+    assert sum("blob cache: cannot store" in s and "No space left on device" in s for s in said) == 3
+
+
+def test_a_const_the_key_cannot_read_keeps_its_model_out_of_the_cache():
+    from kvc.export.blob_cache import keyable
+
+    read = '<layer id="1" name="w" type="Const" version="opset1">\n<data element_type="f32" shape="2" offset="0" size="8" />'
+    unread = '<layer id="1" name="w" type="Const" version="opset1">\n<data element_type="f32" shape="2" size="8" offset="0" />'
+    assert keyable(read) and not keyable(unread)

@@ -426,22 +426,31 @@ def test_opened_cpu_blobs_leave_weights_file_pages_to_the_page_cache(compiled, m
 
 def test_background_hashes_rehash_a_file_changed_after_its_hash_started(tmp_path):
     """The manifest's hashes are taken while the compile goes on; a file rewritten after its
-    hash started must not be recorded with the old content's hash."""
+    hash started must not be recorded with the old content's hash: rewritten in place with the
+    same size and its mtime put back, or replaced by another file."""
     import hashlib
     import time
 
     from kvc.export.manifest import BackgroundHashes
 
-    a, b = tmp_path / "a", tmp_path / "b"
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     a.write_bytes(b"first" * 1000)
     b.write_bytes(b"kept")
+    c.write_bytes(b"old")
     with BackgroundHashes() as hashes:
-        hashes.start(a)
-        hashes.start(b)
+        for path in (a, b, c):
+            hashes.start(path)
+        assert hashes.entry(a)["sha256"] == hashlib.sha256(b"first" * 1000).hexdigest()
+        st = a.stat()
         time.sleep(0.01)
-        a.write_bytes(b"second" * 1000)
-        os.utime(a, ns=(time.time_ns(), time.time_ns() + 10**9))  # coarse mtimes: make the change visible
-        assert hashes.entry(a) == {"bytes": 6000, "sha256": hashlib.sha256(b"second" * 1000).hexdigest()}
+        a.write_bytes(b"FIRST" * 1000)  # same size
+        os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+        replacement = tmp_path / "c.new"
+        replacement.write_bytes(b"new")
+        os.utime(replacement, ns=(c.stat().st_atime_ns, c.stat().st_mtime_ns))
+        os.replace(replacement, c)
+        assert hashes.entry(a) == {"bytes": 5000, "sha256": hashlib.sha256(b"FIRST" * 1000).hexdigest()}
+        assert hashes.entry(c) == {"bytes": 3, "sha256": hashlib.sha256(b"new").hexdigest()}
         assert hashes.entry(b) == {"bytes": 4, "sha256": hashlib.sha256(b"kept").hexdigest()}
         assert hashes.entry(tmp_path / "a") == hashes.entry(a)
 
@@ -467,5 +476,4 @@ def test_range_hashes_for_the_blob_cache(tmp_path):
         assert hashes.range_digests(path, ranges) == expected
         assert hashes.entry(path)["sha256"] == hashlib.sha256(data).hexdigest()
         path.write_bytes(data[::-1])
-        os.utime(path, ns=(0, 10**9))
         assert hashes.range_digests(path, [(0, 10)]) == {(0, 10): hashlib.sha256(data[::-1][:10]).hexdigest()}
