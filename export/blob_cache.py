@@ -60,9 +60,9 @@ def host() -> dict:
             "capabilities": sorted(c.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))}
 
 
-def blob_key(xml: Path, digests: dict[tuple[int, int], str], device: str, config: dict, embedded_below: int) -> str:
-    """The cache key of `xml` compiled for `device` with `config` (see the module docstring)."""
-    text = xml.read_text(encoding="utf-8")
+def blob_key(text: str, digests: dict[tuple[int, int], str], device: str, config: dict, embedded_below: int) -> str:
+    """The cache key of the model whose XML is `text`, compiled for `device` with `config`
+    (see the module docstring)."""
     consts = [(size, digests[(offset, size)], None if size < embedded_below else offset)
               for offset, size in const_ranges(text)]
     record = {"format": FORMAT, "kvc": __version__, "openvino": openvino_version(), "host": host(), "device": device,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvc import __version__
-from kvc.errors import DeviceError, OutputError, UsageError, VerificationError, openvino_reason
+from kvc.errors import OutputError, UsageError, VerificationError
 from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, keyable
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
@@ -220,9 +220,10 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
     _phase(options, "passes, save the IR", work)
     static, xmls = _build_and_save(model_path, work, options, stated, progress)
-    # With a blob cache, the keys need each constant's hash: taken in the same read as the file's.
-    ranges = ([r for xml in xmls.values() for r in const_ranges(xml.read_text(encoding="utf-8"))]
-              if cache is not None else ())
+    # With a blob cache, the keys need each model's XML and each constant's hash (taken beside
+    # the hash of the whole file).
+    texts = {name: xml.read_text(encoding="utf-8") for name, xml in xmls.items()} if cache is not None else {}
+    ranges = [r for text in texts.values() for r in const_ranges(text)]
     hashes.start(work / WEIGHTS_FILE, ranges)
     for path in xmls.values():
         hashes.start(path)
@@ -237,9 +238,12 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     static.models.clear()
     for device in options.devices:
         _phase(options, f"compile for {device}", work)
-        digests = hashes.range_digests(work / WEIGHTS_FILE, ranges) if cache is not None else None
+        keys = {}
+        if cache is not None:
+            digests = hashes.range_digests(work / WEIGHTS_FILE, ranges)
+            keys = _blob_keys(texts, digests, device, options.inference_precision)
         for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress, compiler,
-                                        cache, digests).items():
+                                        cache, keys).items():
             models[name]["blobs"][device] = blob
             hashes.start(work / blob["file"])
     manifest = {
@@ -332,17 +336,20 @@ def _require_kv_cache(model, file: Path) -> None:
             from None
 
 
-def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress, compiler,
-                  cache: BlobCache | None, digests: dict | None) -> dict[str, dict]:
-    """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
-    write its blob, or take it from `cache` when it holds that model's blob (`digests`: the
-    sha256 of every constant's bytes in weights.bin); the manifest entry of each."""
+def _blob_keys(texts: dict[str, str], digests: dict, device: str, precision: str) -> dict[str, str]:
+    """The blob cache's key of each model (by its XML text) that can be keyed."""
     config = device_config(device, for_export=True, precision=precision)
-    keys = {}
-    if cache is not None:
-        embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
-        keys = {name: blob_key(xml, digests, device, config, embedded_below) for name, xml in xmls.items()
-                if keyable(xml.read_text(encoding="utf-8"))}
+    embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
+    return {name: blob_key(text, digests, device, config, embedded_below) for name, text in texts.items()
+            if keyable(text)}
+
+
+def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress, compiler,
+                  cache: BlobCache | None, keys: dict[str, str]) -> dict[str, dict]:
+    """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
+    write its blob, or take it from `cache` when it holds the blob of the model's key in
+    `keys`; the manifest entry of each."""
+    config = device_config(device, for_export=True, precision=precision)
     blobs = {}
     progress(f"compiling {', '.join(xmls)} for {device}")
     for i, (name, xml) in enumerate(xmls.items(), 1):

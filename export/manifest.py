@@ -120,8 +120,8 @@ def file_entry(path: Path) -> dict:
 
 
 class BackgroundHashes:
-    """sha256 of files taken on one background thread while the caller goes on (hashlib and
-    file reads release the GIL): `kvc compile` starts the source's hashes before loading it and
+    """sha256 of files taken on a background thread while the caller goes on (hashlib and
+    file reads release the GIL; a second thread hashes the ranges a blob cache asks for): `kvc compile` starts the source's hashes before loading it and
     each output's as soon as it is final, instead of reading 2 GB at the start and the end
     (1.5 s of a 250M model's 9.7 s compile, on cores the passes and the device compile
     leave idle). A file that changed after its hash started (size, mtime, ctime or inode), or
