@@ -150,18 +150,36 @@ def _chunk_value(ctx, param, value):
     return chunk
 
 
+def cpu_precision(precision: str) -> str:
+    """The CPU blobs' arithmetic: `precision`, or for "auto" what the CPU plugin picks on this
+    host (bf16 where it has AVX512_BF16 or AMX, else f32)."""
+    if precision != "auto":
+        return precision
+    from kvc.ir.reader import core
+
+    return core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
     """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
-    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
+    arithmetic (`precision`), else 0."""
     if value != "auto":
         return value
     if not set(devices) <= {"CPU"}:
         return 0
-    if precision == "auto":
-        from kvc.ir.reader import core
+    return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
-        precision = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-    return CPU_CHUNK.get(precision, CPU_CHUNK["f32"])
+
+def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
+    """--kv-precision auto: bf16 when every device is the CPU and its blobs compute at bf16,
+    else f16 (the NPU plugin's KV type). A CPU at bf16 reads a bf16 cache as it is; an f16
+    one costs a conversion of the whole past per step (about 9% of a 250M model's decode step,
+    docs/benchmarks.md), and holds no more than the bf16 arithmetic makes of it."""
+    if value != "auto":
+        return value
+    if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16":
+        return "bf16"
+    return "f16"
 
 
 def static_options(f):
@@ -182,9 +200,11 @@ def static_options(f):
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
-        click.option("--kv-precision", type=click.Choice(["f16", "f32", "int8"]), default="f16", show_default=True,
-                     help="Element type of KV inputs/outputs (the NPU plugin stores f16); int8: with one f16 scale "
-                          "per token and head, dequantized in the graph (docs/kv-precision.md)."),
+        click.option("--kv-precision", type=click.Choice(["auto", "f16", "bf16", "f32", "int8"]), default="auto",
+                     show_default=True,
+                     help="Element type of KV inputs/outputs. auto: bf16 when compiling for CPU only with bf16 "
+                          "CPU blobs, else f16 (the NPU plugin stores f16); int8: with one f16 scale per token and "
+                          "head, dequantized in the graph (docs/kv-precision.md)."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
         click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
                      help="Prefill returns only the last position's logits (as NPUW does)."),
@@ -219,6 +239,7 @@ def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):
     """The StaticOptions of the command's options; `auto` values resolved for `devices` and
     the CPU blobs' `precision`."""
     kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices, precision)
+    kwargs["kv_precision"] = resolve_kv(kwargs["kv_precision"], devices, precision)
     return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
 
 

@@ -12,6 +12,7 @@ import functools
 import io
 from pathlib import Path
 
+import numpy as np
 import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
@@ -19,7 +20,7 @@ from kvc.export.compile import device_config
 from kvc.export.mapped import pages_released
 from kvc.export.manifest import check_blob_version, check_files, check_ports, plan_of, read_manifest
 from kvc.ir.reader import core, load
-from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session
+from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session, backend_dtype
 from kvc.runtime.static_pipeline import StaticPipeline
 
 BACKENDS = ("numpy", "openvino", "npu")
@@ -124,8 +125,9 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     when first run and can be released (`LazySession`)."""
     def session(name: str):
         if lazy:
-            names = [p["name"] for p in manifest["models"][name]["inputs"]]
-            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir), names, backend)
+            ports = manifest["models"][name]["inputs"]
+            dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
+            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir), dtypes, backend)
         return _session(directory, manifest, name, backend, from_ir)
 
     generate = {}
@@ -143,17 +145,20 @@ class LazySession:
     so that prefill and generate models need not be in memory together: each import maps the
     weights file and packs the weights anew."""
 
-    def __init__(self, make, input_names: list[str], backend: str):
-        self._make, self._names, self.backend = make, list(input_names), backend
+    def __init__(self, make, input_dtypes: dict[str, np.dtype], backend: str):
+        self._make, self._dtypes, self.backend = make, dict(input_dtypes), backend
         self._session: Session | None = None
         self._bindings: dict[str, tuple] = {}
 
     @property
     def input_names(self) -> list[str]:
-        return list(self._names)
+        return list(self._dtypes)
 
     def has_input(self, name: str) -> bool:
-        return name in self._names
+        return name in self._dtypes
+
+    def input_dtype(self, name: str) -> np.dtype:
+        return self._dtypes[name]
 
     def bind(self, name, buffer, rows, axis) -> None:
         self._bindings[name] = (buffer, rows, axis)

@@ -4,7 +4,8 @@
   ``new``, and ``ShapeOf(past)`` becomes the constant shape it now is;
 * present outputs of a model with a past (chunked prefill, generate) carry only this step's
   rows, as NPUW's RedirectNewKvToOutput does, so a step copies rows, not the cache;
-* ``kv_type=f16``: KV inputs and outputs stored as f16 (converted at the boundary);
+* ``kv_type=f16`` / ``bf16``: KV inputs and outputs stored as f16 or bf16 (converted at the
+  boundary; bf16 is what a CPU computing at bf16 reads without a conversion per step);
 * ``kv_type=i8``: KV stored as int8 with one f16 scale per token and head (symmetric,
   ``scale = max|row| / 127`` over the head dimension, ``q = round(x / scale)`` clamped to
   ±127): each present output carries ``q`` and a new output ``<name>_scale`` its scales; each
@@ -76,7 +77,7 @@ class KVIO(Pass):
     name: ClassVar[str] = "kv-io"
     requires: ClassVar[tuple[str, ...]] = ("stateless", "static")
     ensures: ClassVar[tuple[str, ...]] = ("static",)
-    kv_type: str = option("f32", choices=("f32", "f16", "i8"),
+    kv_type: str = option("f32", choices=("f32", "f16", "bf16", "i8"),
                           help="element type of KV inputs and outputs (i8: with per-token f16 scales)")
     transpose_v: bool = option(False, help="store values as [B, H, D, S] (sequence last)")
     slice_logits: bool = option(False, help="prefill: return only the last position's logits")
@@ -138,7 +139,7 @@ class KVIO(Pass):
 
     # -- element type and value layout -------------------------------------------------------
     def _retype(self, model: ov.Model, c: _Cache) -> list[ov.Node]:
-        etype = ov.Type.f16 if self.kv_type == "f16" else ov.Type.f32
+        etype = {"f16": ov.Type.f16, "bf16": ov.Type.bf16}.get(self.kv_type, ov.Type.f32)
         transpose = self.transpose_v and c.tensor.kind == "value"
         t = c.tensor
         rank = len(c.result.get_output_partial_shape(0))

@@ -11,9 +11,9 @@ The policy, in order:
    everything, so a check written as ``error > tol`` would pass it.
 2. **Exact backends** (kvc's numpy runtime, OpenVINO CPU at f32, f32 KV): identical tokens and
    logits within ``F32_ATOL + F32_RTOL × max |reference logit|`` (``f32_bound``).
-3. **Reduced precision** (f16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤ ``F16_NRMSE``
-   (``INT8_KV_NRMSE`` when the KV cache is int8, `nrmse_limit`) over the steps that
-   share a context, and a token may differ only where rounding can explain it: the
+3. **Reduced precision** (f16 or bf16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤
+   ``F16_NRMSE`` (0.05 when the KV cache is int8 or the graph selects with a TopK, `nrmse_limit`)
+   over the steps that share a context, and a token may differ only where rounding can explain it: the
    reference's margin between its token and the one chosen instead must be below twice the
    *noise* of this run, the largest logit error measured before the divergence (every logit
    of the earlier steps, and every logit of the divergent step except the two tokens that
@@ -140,10 +140,21 @@ F16_NRMSE = 0.01
 # (NPUW_LLM at bf16 on qwen3_moe: 0.0235). Measured on the fixture zoo at 24 steps: at most
 # 0.026 (docs/kv-precision.md). The token rule is unchanged.
 INT8_KV_NRMSE = 0.05
+# A graph that selects (TopK: a mixture-of-experts router) turns a rounding difference into
+# another choice, and a whole token's output moves with it: on gpt_oss (4 experts, top 2) CPU
+# blobs computing at bf16 keep NRMSE 0.002 against kvc's f32 runtime on most prompts, and reach
+# 0.093 at the one step where an expert flips (0.038 over the run), 0.019 where a weight nearly
+# ties; at f32 the same blobs are within 4e-7. Such graphs get int8's bound at reduced
+# precision: a blob that misplaces its rotary halves (the failure the blob check exists for)
+# still shows 0.22, and the exact rule is unchanged.
+SELECTING_NRMSE = INT8_KV_NRMSE
 
 
-def nrmse_limit(kv_element_types) -> float:
-    """The NRMSE a reduced-precision run may show: wider for an int8 KV cache."""
+def nrmse_limit(kv_element_types, selects: bool = False) -> float:
+    """The NRMSE a reduced-precision run may show: wider for an int8 KV cache or a graph that
+    selects (`selects`, a TopK in the static models)."""
+    if selects:
+        return SELECTING_NRMSE
     return INT8_KV_NRMSE if any(t in ("i8", "u8") for t in kv_element_types) else F16_NRMSE
 
 

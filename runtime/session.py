@@ -18,6 +18,7 @@ import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_names
+from kvc.runtime.ops.registry import to_dtype
 
 # OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
 # it); a reference comparison needs f32 throughout (REFERENCE.md §1).
@@ -46,6 +47,8 @@ class Session(Protocol):
 
     def has_input(self, name: str) -> bool: ...
 
+    def input_dtype(self, name: str) -> np.dtype: ...
+
     def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None: ...
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> TensorMap: ...
@@ -72,6 +75,11 @@ class NumpySession:
 
     def has_input(self, name: str) -> bool:
         return any(name in names for names, _, _ in self.interpreter._inputs)
+
+    def input_dtype(self, name: str) -> np.dtype:
+        """The array type input `name` takes: kvc's representation of its element type (bf16
+        as f32 holding bf16 values)."""
+        return to_dtype(next(port for names, _, port in self.interpreter._inputs if name in names).get_element_type())
 
     def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None:
         """Input `name` reads the first `rows` rows (along `axis`) of `buffer` from now on,
@@ -136,28 +144,36 @@ class OpenVINOSession:
     def has_input(self, name: str) -> bool:
         return any(name in names for names, _ in self._inputs)
 
+    def input_dtype(self, name: str) -> np.dtype:
+        """The array type input `name` takes (bf16: ml_dtypes.bfloat16, the device's own bytes)."""
+        return array_dtype(next(port for names, port in self._inputs if name in names).get_element_type())
+
     def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None:
         """Input `name` reads the first `rows` rows (along `axis`) of `buffer`, shared (an ROI
         tensor over it): no copy per inference, until rebound; `infer` need not be given it."""
         index = next(i for i, (names, _) in enumerate(self._inputs) if name in names)
-        want = self._inputs[index][1].get_element_type().to_dtype()
+        want = array_dtype(self._inputs[index][1].get_element_type())
         if buffer.dtype != want or not buffer.flags["C_CONTIGUOUS"]:
             raise UsageError(f"cannot bind {name}: buffer must be C-contiguous {want}, got {buffer.dtype}")
-        parent = self._parents.setdefault(id(buffer), (buffer, ov.Tensor(buffer, shared_memory=True)))[1]
+        parent = self._parents.setdefault(id(buffer), (buffer, shared_tensor(buffer)))[1]
         end = list(buffer.shape)
         end[axis] = rows
         self.request.set_input_tensor(index, ov.Tensor(parent, ov.Coordinate([0] * buffer.ndim), ov.Coordinate(end)))
         self._bound.add(index)
 
     def infer(self, inputs):
-        feed = {i: bind_input(names, port, inputs) for i, (names, port) in enumerate(self._inputs)
-                if i not in self._bound or any(n in inputs for n in names)}
+        feed = {}
+        for i, (names, port) in enumerate(self._inputs):
+            if i not in self._bound or any(n in inputs for n in names):
+                value = bind_input(names, port, inputs)
+                want = array_dtype(port.get_element_type())
+                feed[i] = value if value.dtype == want else shared_tensor(np.ascontiguousarray(value, want))
         try:
             result = self.request.infer(feed)
         except RuntimeError as exc:
             raise DeviceError(f"inference on {self.device} failed: {openvino_reason(exc)}") from None
-        values = list(result.values())
-        return TensorMap((names, np.array(v, copy=True)) for names, v in zip(self._outputs, values))
+        values = [as_array(port, v) for port, v in zip(self.compiled.outputs, result.values())]
+        return TensorMap((names, v) for names, v in zip(self._outputs, values))
 
     def reset(self) -> None:
         self.request.reset_state()
@@ -171,6 +187,37 @@ class OpenVINOSession:
                 s.state = ov.Tensor(np.ascontiguousarray(value))
                 return
         raise KeyError(f"no variable {variable_id!r}")
+
+
+def array_dtype(etype: ov.Type) -> np.dtype:
+    """The numpy type holding an OpenVINO tensor's bytes: ml_dtypes.bfloat16 for bf16 (OpenVINO's
+    Python API shows bf16 data as float16, which reads the bits as another number)."""
+    if etype == ov.Type.bf16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return etype.to_dtype()
+
+
+def backend_dtype(element_type: str, backend: str) -> np.dtype:
+    """The array type a `backend` session takes for an input of `element_type` (its name)."""
+    if element_type == "bf16" and backend != "numpy":
+        return array_dtype(ov.Type.bf16)
+    return to_dtype(element_type)
+
+
+def shared_tensor(array: np.ndarray) -> ov.Tensor:
+    """An ov.Tensor over `array`'s memory (C-contiguous), bf16 included."""
+    if array.dtype == array_dtype(ov.Type.bf16):
+        return ov.Tensor(array.view(np.uint16), list(array.shape), ov.Type.bf16)
+    return ov.Tensor(array, shared_memory=True)
+
+
+def as_array(port: ov.Output, value: np.ndarray) -> np.ndarray:
+    """A copy of an output's data as `array_dtype` of its element type."""
+    if port.get_element_type() == ov.Type.bf16:
+        return np.array(value, copy=True).view(np.uint16).view(array_dtype(ov.Type.bf16))
+    return np.array(value, copy=True)
 
 
 class OnnxRuntimeSession:

@@ -26,7 +26,6 @@ import numpy as np
 from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
 from kvc.runtime.generate import Generation
-from kvc.runtime.ops.registry import to_dtype
 from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
 
@@ -88,7 +87,10 @@ class StaticPipeline:
         self.prefill, self.generate_sessions, self.plan = prefill, generate, plan
         self.lengths, self.kv = lengths, plan.kv
         self.pad_token, self.vocab = pad_token, vocab  # vocab: token ids are checked against it when known
-        self.buffers = {k.input: np.zeros(k.shape, to_dtype(k.element_type)) for k in self.kv}
+        # Held as the sessions take them: a bf16 cache is f32 holding bf16 values for kvc's
+        # interpreter and bf16 bytes (ml_dtypes.bfloat16) for a device.
+        session = next(iter(generate.values()))
+        self.buffers = {k.input: np.zeros(k.shape, session.input_dtype(k.input)) for k in self.kv}
         # Every session with a past reads its prefix of the shared buffers directly (bound
         # once, here): a step copies only its new rows, never the cache.
         pasts = [(s, size - lengths.tokens) for size, s in generate.items()]

@@ -53,6 +53,8 @@ def test_layout_and_manifest(compiled):
     assert set(m["source"]["sha256"]) == {"openvino_model.xml", "openvino_model.bin"}
     assert set(m["files"]) == {n for n in names if n not in ("manifest.json", "dumps")}
     assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
+    # an unchunked prefill has one path: one prompt for it (a second was a second P-row prefill), one to switch
+    assert [r["prompt_tokens"] for r in m["verification"]["results"]] == [33, 64]
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
 
