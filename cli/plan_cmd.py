@@ -9,15 +9,18 @@ from pathlib import Path
 
 import click
 
-from kvc.cli.options import json_option, model_argument, progress, resolve_chunk, resolve_model
+from kvc.cli.options import json_option, model_argument, progress, resolve_model
 from kvc.cli.render import echo_json, human_bytes, table
 
 
 def costs_cache(path: Path, device: str, precision: str) -> Path:
-    """Where measured costs are kept: per model files, device, precision and OpenVINO version."""
+    """Where measured costs are kept: per model files, device, precision, the KV cache's type
+    and OpenVINO version."""
+    from kvc.export.compile import resolve_kv
     from kvc.export.manifest import openvino_version, source_hashes
 
-    key = json.dumps([source_hashes(path), device, precision, openvino_version()], sort_keys=True)
+    kv = resolve_kv("auto", (device,), precision)
+    key = json.dumps([source_hashes(path), device, precision, openvino_version(), kv], sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -28,9 +31,11 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     from kvc.errors import UsageError
     from kvc.export.manifest import source_hashes
 
+    from kvc.export.compile import resolve_kv
+
     t = costs.target
-    wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in (("device", device), ("precision", precision)) if k in t
-             and t[k] != v]
+    expected = (("device", device), ("precision", precision), ("kv_precision", resolve_kv("auto", (device,), precision)))
+    wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")
     if wrong:
@@ -90,6 +95,8 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         costs = measure_costs(path, device, inference_precision, progress=progress)
         write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
         progress(f"costs measured and written to {target}")
+    from kvc.export.compile import resolve_chunk
+
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
     from kvc.export.compile import model_max_positions
     from kvc.ir.reader import resolve

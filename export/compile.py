@@ -81,6 +81,44 @@ def blob_name(model: str, device: str) -> str:
 PRECISIONS = ("auto", "f32", "bf16", "f16")
 
 
+# The CPU's default prefill chunk, measured by bench/ttft.py on the 250M Llama (docs/benchmarks.md):
+# the best worst-case TTFT against the stateful model over prompts of 16 to 1000 tokens. A call
+# costs a pass over the weights plus its tokens' work, so the cheaper a token's arithmetic, the
+# larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x, 64: 3.11x; the whole 1024-token
+# prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x; 32: 2.61x, 128: 3.15x).
+CPU_CHUNK = {"f32": 32, "bf16": 64, "f16": 64}
+
+
+def cpu_precision(precision: str) -> str:
+    """The CPU blobs' arithmetic: `precision`, or for "auto" what the CPU plugin picks on this
+    host (bf16 where it has AVX512_BF16 or AMX, else f32)."""
+    if precision != "auto":
+        return precision
+    return core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
+    """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
+    arithmetic (`precision`), else 0."""
+    if value != "auto":
+        return value
+    if not set(devices) <= {"CPU"}:
+        return 0
+    return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
+
+
+def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
+    """--kv-precision auto: bf16 when every device is the CPU and its blobs compute at bf16,
+    else f16 (the NPU plugin's KV type). A CPU at bf16 reads a bf16 cache as it is; an f16
+    one costs a conversion of the whole past per step (about 9% of a 250M model's decode step,
+    docs/benchmarks.md), and holds no more than the bf16 arithmetic makes of it."""
+    if value != "auto":
+        return value
+    if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16":
+        return "bf16"
+    return "f16"
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     static: StaticOptions = StaticOptions()

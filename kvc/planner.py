@@ -174,7 +174,8 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     import openvino as ov
 
     from kvc.export.build import build_static
-    from kvc.export.compile import device_config, model_max_positions
+    from kvc.export.compile import device_config, model_max_positions, resolve_kv
+    from kvc.runtime.session import array_dtype, shared_tensor
     from kvc.export.manifest import openvino_version, source_hashes
     from kvc.ir.reader import core, load, resolve
     from kvc.plan import StaticOptions
@@ -187,10 +188,11 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     chunks = sorted({c for c in (32, 128, 512) if c <= P})
     sizes = sorted({min(256, P + R), (P + R) // 2 // NPUW_ALIGN * NPUW_ALIGN or P + R, P + R})
     config = device_config(device, for_export=False, precision=precision)
+    kv = resolve_kv("auto", (device,), precision)  # the cache `kvc compile` gives this device
     call_ms, step_ms, compile_s, model_bytes = {}, {}, [], []
     for i, chunk in enumerate(chunks):
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunk < P else 0,
-                                variants=tuple(sizes) if i == 0 else "single")
+                                variants=tuple(sizes) if i == 0 else "single", kv_precision=kv)
         static = build_static(load(path), options, use_env=False)
         names = ["prefill"] + ([f"generate-{s}" for s in sizes] if i == 0 else [])
         for name in names:
@@ -203,11 +205,11 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
             request = compiled.create_infer_request()
             inputs = []  # the arrays the request's tensors share: alive until the request is gone
             for port in compiled.inputs:  # set once, as the pipeline binds its buffers: no copy per call
-                value = np.zeros(list(port.get_shape()), port.get_element_type().to_dtype())
+                value = np.zeros(list(port.get_shape()), array_dtype(port.get_element_type()))
                 if port.get_any_name() == "attention_mask":
                     value[..., -1:] = 1
                 inputs.append(value)
-                request.set_tensor(port, ov.Tensor(value, shared_memory=True))
+                request.set_tensor(port, shared_tensor(value))
             times = []
             for r in range(repeats + 1):
                 started = time.perf_counter()
@@ -220,7 +222,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
-    target = {"device": device, "precision": precision, "openvino": openvino_version(),
+    target = {"device": device, "precision": precision, "kv_precision": kv, "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target)
 

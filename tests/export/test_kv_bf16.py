@@ -14,8 +14,7 @@ import openvino.opset13 as ops
 import pytest
 
 from kvc import fixtures
-from kvc.cli.options import resolve_kv
-from kvc.export.compile import CompileOptions, compile_to
+from kvc.export.compile import CompileOptions, compile_to, resolve_kv
 from kvc.export.load import open_compiled
 from kvc.plan import StaticOptions
 from kvc.runtime.session import OpenVINOSession

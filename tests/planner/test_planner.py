@@ -143,6 +143,9 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "costs measured and written" in first.output and costs.is_file()
     data = json.loads(costs.read_text())
     assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
+    from kvc.export.compile import resolve_kv
+
+    assert data["target"]["kv_precision"] == resolve_kv("auto", ("CPU",), "auto")  # what compile will store
     second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
                  "--max-models", "3")
     doc = json.loads(second.stdout)
@@ -161,6 +164,10 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "--plan sets --max-prompt-len" in conflict.output
     foreign = kvc("plan", fixtures.path("qwen2"), "--workload", requests, "--costs", costs, code=2)
     assert "another model's files" in foreign.output
+    data["target"]["kv_precision"] = "f32"  # measured with another cache than compile's: not this target
+    costs.write_text(json.dumps(data))
+    stale = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, code=2)
+    assert "kv_precision 'f32'" in stale.output
 
 
 @pytest.mark.parametrize("n,m", [(5, 40), (15, 80), (40, 50), (64, 33)])
