@@ -2,18 +2,19 @@
 (issue 16, part 1). Writes the tables of docs/kv-precision.md to stdout.
 
 Zoo: every fixture, static models with P 64, R 128, chunk 16, on OpenVINO CPU at f32
-arithmetic (so the KV precision is the only difference), KV stored as f32 (the reference), f16
-and int8; greedy, 64 new tokens after prompts of 8, 32 and 60 tokens. Per precision: the
+arithmetic (so the KV precision is the only difference), KV stored as f32 (the reference), f16,
+bf16 and int8; greedy, 64 new tokens after prompts of 8, 32 and 60 tokens. Per precision: the
 largest logit NRMSE and max |error| against f32 KV over the steps before the first divergent
 token (kvc.runtime.compare), the mean fraction of the 64 positions whose token agrees, and
 the first divergence with the f32 run's top-1/top-2 margin there.
 
-Bench model (if built: bench/build_model.py): `kvc compile MODEL -o OUT` at the defaults with
---kv-precision f16 (the default) and int8; KV bytes per token, decode ms per token after a
-512-token prompt (32 steps, median of rounds alternating the two), and token agreement of
-int8 with f16 over those steps; then OpenVINO's own KV precisions on the stateful model
-(KV_CACHE_PRECISION f16, u8 and u4, the plugin's default arithmetic; it refuses f8e4m3,
-f8e5m2 and, at compile, u3), same measurements.
+Bench model (if built: bench/build_model.py): `kvc compile MODEL -o OUT` at the defaults
+(--kv-precision auto: bf16 on a host whose CPU blobs compute at bf16, else f16), then with
+--kv-precision f16 and int8; KV bytes per token, decode ms per token after a 512-token prompt
+(32 steps, median of rounds alternating them), and token agreement with f16 over those steps;
+then OpenVINO's own KV precisions on the stateful model (KV_CACHE_PRECISION f16, u8 and u4,
+the plugin's default arithmetic; it refuses f8e4m3, f8e5m2 and, at compile, u3), same
+measurements.
 
     python bench/kv_precision.py [--zoo-only | --bench-only] [--rounds 3]
 """
@@ -47,14 +48,14 @@ def zoo_rows() -> list[dict]:
     rows = []
     for name in list(fixtures.MODELS) + list(fixtures.COMPRESSED):
         runs = {}
-        for kv in ("f32", "f16", "i8"):
+        for kv in ("f32", "f16", "bf16", "i8"):
             sm = build_static(ir.load(fixtures.path(name)), StaticOptions(64, 128, prefill_chunk_size=16,
                                                                           kv_precision=kv), use_env=False)
             pipe = StaticPipeline(OpenVINOSession(sm.models["prefill"]),
                                   {s: OpenVINOSession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
             rng = np.random.default_rng(16)
             runs[kv] = [pipe.generate(rng.integers(1, 256, n), STEPS) for n in PROMPTS]
-        for kv in ("f16", "i8"):
+        for kv in ("f16", "bf16", "i8"):
             comps = [compare_generations(ref, got) for ref, got in zip(runs["f32"], runs[kv])]
             agree = [np.mean(np.array(ref.tokens) == np.array(got.tokens)) for ref, got in zip(runs["f32"], runs[kv])]
             first = [(c.first_divergent_token, c.margin_at_divergence) for c in comps if c.first_divergent_token is not None]
@@ -67,7 +68,7 @@ def zoo_rows() -> list[dict]:
 def compile_out(kv: str, tmp: Path) -> Path:
     out = tmp / f"out-{kv}"
     subprocess.run([sys.executable, "-m", "kvc.cli.main", "compile", str(MODEL), "-o", str(out),
-                    "--kv-precision", kv], check=True, capture_output=True)
+                    *(["--kv-precision", kv] if kv != "auto" else [])], check=True, capture_output=True)
     return out
 
 
@@ -82,7 +83,7 @@ def bench_rows(rounds: int) -> list[dict]:
 
     prompt = np.random.default_rng(1).integers(1, 32000, 512)
     tmp = Path(tempfile.mkdtemp(prefix="kvc-kvprec-"))
-    pipes = {kv: open_compiled(compile_out(kv, tmp), "openvino") for kv in ("f16", "int8")}
+    pipes = {kv: open_compiled(compile_out(kv, tmp), "openvino") for kv in ("auto", "f16", "int8")}
     times = {kv: [] for kv in pipes}
     gens = {}
     for _ in range(rounds):
@@ -93,8 +94,11 @@ def bench_rows(rounds: int) -> list[dict]:
     rows = []
     for kv, pipe in pipes.items():
         per_token = sum(int(np.prod(s.shape)) // s.shape[s.seq_axis] * np.dtype(
-            {"f16": np.float16, "f32": np.float32, "i8": np.int8}[s.element_type]).itemsize for s in pipe.kv)
-        rows.append({"engine": f"kvc --kv-precision {kv}", "bytes_per_token": per_token,
+            {"f16": np.float16, "bf16": np.float16, "f32": np.float32, "i8": np.int8}[s.element_type]).itemsize
+            for s in pipe.kv)
+        engine = (f"kvc, default (--kv-precision auto: {pipe.kv[0].element_type})" if kv == "auto" else
+                  f"kvc --kv-precision {kv}")
+        rows.append({"engine": engine, "bytes_per_token": per_token,
                      "decode_ms": statistics.median(times[kv]),
                      "agreement": float(np.mean(np.array(gens[kv].tokens) == np.array(gens["f16"].tokens)))})
     core = ov.Core()
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     for r in rows:
         fd = "-" if r["first_divergence"] is None else f"{r['first_divergence'][0]}, {r['first_divergence'][1]:.3g}"
         print(f"| `{r['model']}` | {r['kv']} | {r['nrmse']:.2e} | {r['max_abs']:.3g} | {r['agreement']:.1%} | {fd} |")
-    for kv in ("f16", "i8") if rows else ():
+    for kv in ("f16", "bf16", "i8") if rows else ():
         sel = [r for r in rows if r["kv"] == kv]
         print(f"\n{kv}: mean agreement {np.mean([r['agreement'] for r in sel]):.1%}, "
               f"worst NRMSE {max(r['nrmse'] for r in sel):.3g}, "

@@ -112,6 +112,9 @@ def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
     else f16 (the NPU plugin's KV type). A CPU at bf16 reads a bf16 cache as it is; an f16
     one costs a conversion of the whole past per step (about 9% of a 250M model's decode step,
     docs/benchmarks.md), and holds no more than the bf16 arithmetic makes of it."""
+    if value == "bf16" and "NPU" in devices:
+        raise UsageError("--kv-precision bf16 cannot be compiled for the NPU: the NPU plugin's requests take f16 or "
+                         "f32 KV (NPUW refuses a bf16 tensor on a bf16 port); use f16 (the NPU's type)")
     if value != "auto":
         return value
     if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16":
@@ -145,6 +148,7 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
         device_config(device, for_export=True, precision=options.inference_precision)
+    resolve_kv(options.static.kv_precision, options.devices)  # refuses a bf16 cache for the NPU
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -270,6 +274,9 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
+    from kvc.verify.compiled import selects
+
+    selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
     # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
     # weights.bin); everything after this reads the written IR, so they go now: each later
     # import maps weights.bin again, and a peak with both would count the weights twice more.
@@ -295,8 +302,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "models": models,
         "tokenizer": _copy_tokenizer(resolve(model_path).root, work),
     }
-    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab, options,
-                                                              progress)
+    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab, selecting,
+                                                              options, progress)
     if options.recorder is not None:
         options.recorder.finish(work, work / "dumps" if options.dumps else None)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
@@ -416,7 +423,8 @@ def _copy_tokenizer(source_dir: Path, work: Path) -> list[str]:
     return copied
 
 
-def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, options: CompileOptions, progress):
+def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, selecting: bool,
+           options: CompileOptions, progress):
     """Nothing is published unless it works: the static IR against the source (numpy, unless
     --no-verify), then every blob imported as `kvc run` imports it and run on the same probes
     (against the IR's answers; only for finite logits with --no-verify)."""
@@ -442,7 +450,8 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, opt
         _phase(options, f"check the {device} blobs", work)
         progress(f"importing and running the {device} blobs")
         rows += check_blobs(work, manifest, device, cases, ir_gens,
-                            lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"))
+                            lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
+                            selecting=selecting)
         bad = next((r for r in rows if not r["ok"]), None)
         if bad is not None:
             raise VerificationError(

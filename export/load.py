@@ -123,6 +123,12 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote. `lazy`: each model is imported
     when first run and can be released (`LazySession`)."""
+    kv_types = {k.element_type for k in plan_of(manifest).kv}
+    if backend == "npu" and "bf16" in kv_types:
+        raise UsageError(f"{directory} stores its KV cache as bf16 (compiled for CPU at bf16), which the NPU "
+                         f"plugin does not take (its requests want f16); compile it again with --kv-precision f16 "
+                         f"(or --device CPU,NPU) to run it on the NPU")
+
     def session(name: str):
         if lazy:
             ports = manifest["models"][name]["inputs"]

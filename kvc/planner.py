@@ -171,8 +171,6 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     does, and time its calls: the fastest of `repeats` after one warm-up (on a shared machine
     the other runs measure the neighbours: a median once read a 256 step as 36 ms where the
     pipeline runs it in 21)."""
-    import openvino as ov
-
     from kvc.export.build import build_static
     from kvc.export.compile import device_config, model_max_positions, resolve_kv
     from kvc.runtime.session import array_dtype, shared_tensor

@@ -80,8 +80,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
 
     reference = OpenVINOSession(source_model, "CPU")
     reduced = reduced_precision(static.plan.kv_element_types, "numpy")
-    limit = nrmse_limit(static.plan.kv_element_types,
-                        any(op.get_type_name() == "TopK" for m in static.models.values() for op in m.get_ops()))
+    limit = nrmse_limit(static.plan.kv_element_types)  # f32 arithmetic: no wider bound for selecting graphs
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
         verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit)
@@ -90,19 +89,21 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
             "results": results}
 
 
-def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None) -> list[dict]:
+def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
+                selecting: bool = False) -> list[dict]:
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
-    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
+    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_arithmetic, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
-    reduced, limit = reduced_precision(kv_types, backend, config), nrmse_limit(kv_types, selects(directory, manifest))
+    reduced = reduced_precision(kv_types, backend, config)
+    limit = nrmse_limit(kv_types, selecting and reduced_arithmetic(backend, config))
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -132,13 +133,22 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     return rows
 
 
-def selects(directory, manifest: dict) -> bool:
-    """Whether a compiled directory's static models select (a TopK layer, as a mixture-of-
-    experts router does): their reduced-precision runs get a wider NRMSE bound (`nrmse_limit`)."""
+def selects(models) -> bool:
+    """Whether static models (ov.Model) select with a TopK, as a mixture-of-experts router
+    does: their runs in reduced arithmetic get a wider NRMSE bound (`nrmse_limit`)."""
+    return any(op.get_type_name() == "TopK" for model in models for op in model.get_ops())
+
+
+def directory_selects(directory, manifest: dict) -> bool:
+    """`selects` for a compiled directory's static models, read as `kvc run --from-ir` reads them."""
     from pathlib import Path
 
-    return any('type="TopK"' in (Path(directory) / entry["xml"]).read_text(encoding="utf-8")
-               for entry in manifest["models"].values())
+    from kvc.ir.bundle import WEIGHTS_FILE
+    from kvc.ir.reader import core
+
+    directory = Path(directory)
+    return selects(core().read_model(str(directory / entry["xml"]), str(directory / WEIGHTS_FILE))
+                   for entry in manifest["models"].values())
 
 
 def default_prompts(plan, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -163,7 +173,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import judge, nrmse_limit, reduced_precision
+    from kvc.runtime.compare import judge, nrmse_limit, reduced_arithmetic, reduced_precision
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
 
@@ -178,7 +188,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     prompts = prompts or default_prompts(lengths, vocab)
     kv_types = plan.kv_element_types
-    limit = nrmse_limit(kv_types, selects(directory, manifest))
+    selecting = directory_selects(directory, manifest)
     references = {}
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
@@ -189,7 +199,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n)
             verdict = judge(references[(i, n)], pipe.generate(prompt, n),
-                            reduced=reduced_precision(kv_types, backend, configs[backend]), limit=limit)
+                            reduced=reduced_precision(kv_types, backend, configs[backend]),
+                            limit=nrmse_limit(kv_types, selecting and reduced_arithmetic(backend, configs[backend])))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

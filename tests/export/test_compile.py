@@ -197,6 +197,35 @@ def _fault_in(monkeypatch, branch: str, fault: Pass) -> None:
     monkeypatch.setattr(build, "branch_passes", faulty)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaleLastAttention(Pass):
+    """A fault in one layer's attention: its output `factor` times too large."""
+
+    name: ClassVar[str] = "test-scale-last-attention"
+    factor: float = 1.3
+
+    def run(self, model):
+        import openvino.opset13 as ops
+
+        sdpa = [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"][-1]
+        targets = list(sdpa.output(0).get_target_inputs())
+        scaled = ops.multiply(sdpa.output(0), ops.constant(np.float32(self.factor)))
+        for t in targets:
+            t.replace_source_output(scaled.output(0))
+        return PassResult(model, True)
+
+
+def test_a_selecting_models_numpy_check_keeps_the_f16_bound(tmp_path, monkeypatch):
+    """gpt_oss's router (TopK) widens the bound only for runs in reduced arithmetic: kvc's numpy
+    runtime computes in f32, and its check is what catches the passes' bugs. One layer's
+    attention 1.3x too large shows NRMSE 0.026 there, under the 0.05 of bf16 blobs."""
+    for branch in ("prefill", "generate-80", "generate-128"):
+        _fault_in(monkeypatch, branch, ScaleLastAttention())
+    with pytest.raises(VerificationError, match="the compiled pipeline does not reproduce"):
+        compile_to(fixtures.path("gpt_oss"), tmp_path / "out", CompileOptions(dataclasses.replace(SMALL, kv_precision="bf16")))
+    assert not (tmp_path / "out").exists()
+
+
 def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
     """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
     33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""

@@ -14,6 +14,7 @@ import openvino.opset13 as ops
 import pytest
 
 from kvc import fixtures
+from kvc.errors import UsageError
 from kvc.export.compile import CompileOptions, compile_to, resolve_kv
 from kvc.export.load import open_compiled
 from kvc.plan import StaticOptions
@@ -28,6 +29,17 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 def test_auto_kv_precision(devices, precision, expected):
     assert resolve_kv("auto", devices, precision) == expected
     assert resolve_kv("f32", devices, precision) == "f32"
+
+
+def test_a_bf16_cache_is_refused_for_the_npu():
+    """NPUW's requests take f16 for a bf16 port ("Failed to set tensor ... precision: bf16, since the
+    model input tensor precision is: f16"): refused before compiling, not in the blob check."""
+    for devices in (("NPU",), ("CPU", "NPU")):
+        with pytest.raises(UsageError, match="bf16 cannot be compiled for the NPU"):
+            resolve_kv("bf16", devices, "bf16")
+    with pytest.raises(UsageError, match="bf16 cannot be compiled for the NPU"):
+        compile_to(fixtures.path("llama"), "/nonexistent/never-written", CompileOptions(
+            StaticOptions(64, 64, kv_precision="bf16"), devices=("NPU",)))
 
 
 def test_auto_kv_precision_follows_the_hosts_cpu_blobs():
@@ -82,3 +94,9 @@ def test_bf16_cache_compiles_verifies_and_runs_from_blobs(compiled_bf16):
         held = numpy_pipe.buffers[name]
         assert np.array_equal(held, held.astype(BF16).astype(np.float32)), "numpy's cache holds bf16 values"
         np.testing.assert_allclose(buffer.astype(np.float32), held, rtol=2 ** -7, atol=1e-6)
+
+
+def test_a_bf16_directory_on_the_npu_backend_is_a_clear_error(compiled_bf16):
+    out, _ = compiled_bf16
+    with pytest.raises(UsageError, match="compile it again with --kv-precision f16"):
+        open_compiled(out, "npu")

@@ -168,6 +168,10 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     costs.write_text(json.dumps(data))
     stale = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, code=2)
     assert "kv_precision 'f32'" in stale.output
+    del data["target"]["kv_precision"]  # written before costs recorded it: measured with an f32 cache
+    costs.write_text(json.dumps(data))
+    assert "kv_precision 'f32'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
+                                       code=2).output
 
 
 @pytest.mark.parametrize("n,m", [(5, 40), (15, 80), (40, 50), (64, 33)])
