@@ -16,11 +16,10 @@ from kvc.cli.render import echo_json, human_bytes, table
 def costs_cache(path: Path, device: str, precision: str) -> Path:
     """Where measured costs are kept: per model files, device, precision, the KV cache's type
     and OpenVINO version."""
-    from kvc.export.compile import resolve_kv
+    from kvc.export.compile import DEFAULT_KV
     from kvc.export.manifest import openvino_version, source_hashes
 
-    kv = resolve_kv("auto", (device,), precision)
-    key = json.dumps([source_hashes(path), device, precision, openvino_version(), kv], sort_keys=True)
+    key = json.dumps([source_hashes(path), device, precision, openvino_version(), DEFAULT_KV], sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -31,12 +30,12 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     from kvc.errors import UsageError
     from kvc.export.manifest import source_hashes
 
-    from kvc.export.compile import resolve_kv
+    from kvc.export.compile import DEFAULT_KV
 
     t = dict(costs.target)
     if t and "kv_precision" not in t:  # measured before costs recorded it: with an f32 cache
         t["kv_precision"] = "f32"
-    expected = (("device", device), ("precision", precision), ("kv_precision", resolve_kv("auto", (device,), precision)))
+    expected = (("device", device), ("precision", precision), ("kv_precision", DEFAULT_KV))
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")

@@ -107,19 +107,21 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
 
-def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
-    """--kv-precision auto: bf16 when every device is the CPU and its blobs compute at bf16,
-    else f16 (the NPU plugin's KV type). A CPU at bf16 reads a bf16 cache as it is; an f16
-    one costs a conversion of the whole past per step (about 9% of a 250M model's decode step,
-    docs/benchmarks.md), and holds no more than the bf16 arithmetic makes of it."""
+# The KV cache `kvc compile` stores by default: f16, the NPU plugin's type. bf16 (--kv-precision
+# bf16) is what a CPU computing at bf16 reads without converting, but measured in kvc's pipeline
+# it is no faster: the CPU plugin then copies the whole past in its Concat (ref_bf16, 2.0 ms a
+# step on the 250M model) where an f16 past is converted straight into it (1.6 + 0.7 ms); a step
+# is 30.1 ms against 28.9 (docs/kv-precision.md).
+DEFAULT_KV = "f16"
+
+
+def check_kv(value: str, devices) -> None:
+    """Refuse a KV type a device cannot take: bf16 for the NPU (NPUW's requests want f16 for a
+    bf16 port: "Failed to set tensor ... precision: bf16, since the model input tensor precision
+    is: f16")."""
     if value == "bf16" and "NPU" in devices:
         raise UsageError("--kv-precision bf16 cannot be compiled for the NPU: the NPU plugin's requests take f16 or "
                          "f32 KV (NPUW refuses a bf16 tensor on a bf16 port); use f16 (the NPU's type)")
-    if value != "auto":
-        return value
-    if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16":
-        return "bf16"
-    return "f16"
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
         device_config(device, for_export=True, precision=options.inference_precision)
-    resolve_kv(options.static.kv_precision, options.devices)  # refuses a bf16 cache for the NPU
+    check_kv(options.static.kv_precision, options.devices)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

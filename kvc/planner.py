@@ -172,7 +172,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     the other runs measure the neighbours: a median once read a 256 step as 36 ms where the
     pipeline runs it in 21)."""
     from kvc.export.build import build_static
-    from kvc.export.compile import device_config, model_max_positions, resolve_kv
+    from kvc.export.compile import DEFAULT_KV, device_config, model_max_positions
     from kvc.runtime.session import array_dtype, shared_tensor
     from kvc.export.manifest import openvino_version, source_hashes
     from kvc.ir.reader import core, load, resolve
@@ -186,7 +186,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     chunks = sorted({c for c in (32, 128, 512) if c <= P})
     sizes = sorted({min(256, P + R), (P + R) // 2 // NPUW_ALIGN * NPUW_ALIGN or P + R, P + R})
     config = device_config(device, for_export=False, precision=precision)
-    kv = resolve_kv("auto", (device,), precision)  # the cache `kvc compile` gives this device
+    kv = DEFAULT_KV  # the cache `kvc compile` stores
     call_ms, step_ms, compile_s, model_bytes = {}, {}, [], []
     for i, chunk in enumerate(chunks):
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunk < P else 0,

@@ -1,4 +1,4 @@
-"""A bf16 KV cache: the default for CPU-only compiles whose blobs compute at bf16.
+"""A bf16 KV cache (`--kv-precision bf16`, CPU only).
 
 Numpy has no bf16: kvc's interpreter holds it as f32 carrying bf16 values, a device session
 as ml_dtypes.bfloat16 (OpenVINO's Python API shows bf16 data as float16, another number for the
@@ -15,7 +15,7 @@ import pytest
 
 from kvc import fixtures
 from kvc.errors import UsageError
-from kvc.export.compile import CompileOptions, compile_to, resolve_kv
+from kvc.export.compile import CompileOptions, check_kv, compile_to
 from kvc.export.load import open_compiled
 from kvc.plan import StaticOptions
 from kvc.runtime.session import OpenVINOSession
@@ -23,30 +23,16 @@ from kvc.runtime.session import OpenVINOSession
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.mark.parametrize("devices, precision, expected", [
-    (("CPU",), "bf16", "bf16"), (("CPU",), "f32", "f16"), (("CPU",), "f16", "f16"),
-    (("CPU", "NPU"), "bf16", "f16"), (("NPU",), "bf16", "f16")])
-def test_auto_kv_precision(devices, precision, expected):
-    assert resolve_kv("auto", devices, precision) == expected
-    assert resolve_kv("f32", devices, precision) == "f32"
-
-
 def test_a_bf16_cache_is_refused_for_the_npu():
     """NPUW's requests take f16 for a bf16 port ("Failed to set tensor ... precision: bf16, since the
     model input tensor precision is: f16"): refused before compiling, not in the blob check."""
     for devices in (("NPU",), ("CPU", "NPU")):
         with pytest.raises(UsageError, match="bf16 cannot be compiled for the NPU"):
-            resolve_kv("bf16", devices, "bf16")
+            check_kv("bf16", devices)
+    check_kv("bf16", ("CPU",))
     with pytest.raises(UsageError, match="bf16 cannot be compiled for the NPU"):
         compile_to(fixtures.path("llama"), "/nonexistent/never-written", CompileOptions(
             StaticOptions(64, 64, kv_precision="bf16"), devices=("NPU",)))
-
-
-def test_auto_kv_precision_follows_the_hosts_cpu_blobs():
-    from kvc.ir.reader import core
-
-    host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-    assert resolve_kv("auto", ("CPU",), "auto") == ("bf16" if host == "bf16" else "f16")
 
 
 def test_openvino_session_reads_and_writes_bf16_ports():

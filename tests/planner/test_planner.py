@@ -143,9 +143,9 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "costs measured and written" in first.output and costs.is_file()
     data = json.loads(costs.read_text())
     assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
-    from kvc.export.compile import resolve_kv
+    from kvc.export.compile import DEFAULT_KV
 
-    assert data["target"]["kv_precision"] == resolve_kv("auto", ("CPU",), "auto")  # what compile will store
+    assert data["target"]["kv_precision"] == DEFAULT_KV  # measured with the cache compile stores
     second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
                  "--max-models", "3")
     doc = json.loads(second.stdout)
