@@ -134,6 +134,8 @@ class OpenVINOSession:
                         for i, p in enumerate(self.compiled.inputs)]
         self._outputs = [port_names(p, source.outputs[i] if source else None)
                          for i, p in enumerate(self.compiled.outputs)]
+        self._dtypes = [array_dtype(p.get_element_type()) for _, p in self._inputs]
+        self._bf16_outputs = [p.get_element_type() == ov.Type.bf16 for p in self.compiled.outputs]
         self._bound: set[int] = set()
         self._parents: dict[int, tuple[np.ndarray, ov.Tensor]] = {}  # keeps shared buffers alive
 
@@ -152,7 +154,7 @@ class OpenVINOSession:
         """Input `name` reads the first `rows` rows (along `axis`) of `buffer`, shared (an ROI
         tensor over it): no copy per inference, until rebound; `infer` need not be given it."""
         index = next(i for i, (names, _) in enumerate(self._inputs) if name in names)
-        want = array_dtype(self._inputs[index][1].get_element_type())
+        want = self._dtypes[index]
         if buffer.dtype != want or not buffer.flags["C_CONTIGUOUS"]:
             raise UsageError(f"cannot bind {name}: buffer must be C-contiguous {want}, got {buffer.dtype}")
         parent = self._parents.setdefault(id(buffer), (buffer, shared_tensor(buffer)))[1]
@@ -165,15 +167,14 @@ class OpenVINOSession:
         feed = {}
         for i, (names, port) in enumerate(self._inputs):
             if i not in self._bound or any(n in inputs for n in names):
-                value = bind_input(names, port, inputs)
-                want = array_dtype(port.get_element_type())
+                value, want = bind_input(names, port, inputs), self._dtypes[i]
                 feed[i] = value if value.dtype == want else shared_tensor(np.ascontiguousarray(value, want))
         try:
             result = self.request.infer(feed)
         except RuntimeError as exc:
             raise DeviceError(f"inference on {self.device} failed: {openvino_reason(exc)}") from None
-        values = [as_array(port, v) for port, v in zip(self.compiled.outputs, result.values())]
-        return TensorMap((names, v) for names, v in zip(self._outputs, values))
+        return TensorMap((names, as_bf16(v) if bf16 else np.array(v, copy=True))
+                         for names, v, bf16 in zip(self._outputs, result.values(), self._bf16_outputs))
 
     def reset(self) -> None:
         self.request.reset_state()
@@ -213,11 +214,9 @@ def shared_tensor(array: np.ndarray) -> ov.Tensor:
     return ov.Tensor(array, shared_memory=True)
 
 
-def as_array(port: ov.Output, value: np.ndarray) -> np.ndarray:
-    """A copy of an output's data as `array_dtype` of its element type."""
-    if port.get_element_type() == ov.Type.bf16:
-        return np.array(value, copy=True).view(np.uint16).view(array_dtype(ov.Type.bf16))
-    return np.array(value, copy=True)
+def as_bf16(value: np.ndarray) -> np.ndarray:
+    """A copy of a bf16 output's data (shown by OpenVINO as float16) as ml_dtypes.bfloat16."""
+    return np.array(value, copy=True).view(np.uint16).view(array_dtype(ov.Type.bf16))
 
 
 class OnnxRuntimeSession:
