@@ -108,10 +108,9 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
 
 
 # The KV cache `kvc compile` stores by default: f16, the NPU plugin's type. bf16 (--kv-precision
-# bf16) is what a CPU computing at bf16 reads without converting, but measured in kvc's pipeline
-# it is no faster: the CPU plugin then copies the whole past in its Concat (ref_bf16, 2.0 ms a
-# step on the 250M model) where an f16 past is converted straight into it (1.6 + 0.7 ms); a step
-# is 30.1 ms against 28.9 (docs/kv-precision.md).
+# bf16) is what a CPU computing at bf16 reads without converting, but the CPU plugin then copies
+# the whole past in its Concat (ref_bf16, 2.0 ms a step on the 250M model) where an f16 past is
+# converted straight into it: the same 4.9 ms of attention either way (docs/kv-precision.md).
 DEFAULT_KV = "f16"
 
 
