@@ -28,9 +28,8 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     """Costs measured for another model, device or precision are refused (a hand-written file
     without a target is taken as given)."""
     from kvc.errors import UsageError
-    from kvc.export.manifest import source_hashes
-
     from kvc.export.compile import DEFAULT_KV
+    from kvc.export.manifest import source_hashes
 
     t = dict(costs.target)
     if t and "kv_precision" not in t:  # measured before costs recorded it: with an f32 cache
@@ -96,10 +95,9 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         costs = measure_costs(path, device, inference_precision, progress=progress)
         write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
         progress(f"costs measured and written to {target}")
-    from kvc.export.compile import resolve_chunk
+    from kvc.export.compile import model_max_positions, resolve_chunk
 
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    from kvc.export.compile import model_max_positions
     from kvc.ir.reader import resolve
 
     stated = model_max_positions(resolve(path).root)

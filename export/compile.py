@@ -89,22 +89,16 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 CPU_CHUNK = {"f32": 32, "bf16": 64, "f16": 64}
 
 
-def cpu_precision(precision: str) -> str:
-    """The CPU blobs' arithmetic: `precision`, or for "auto" what the CPU plugin picks on this
-    host (bf16 where it has AVX512_BF16 or AMX, else f32)."""
-    if precision != "auto":
-        return precision
-    return core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-
-
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
     """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
-    arithmetic (`precision`), else 0."""
+    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
     if value != "auto":
         return value
     if not set(devices) <= {"CPU"}:
         return 0
-    return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
+    if precision == "auto":
+        precision = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+    return CPU_CHUNK.get(precision, CPU_CHUNK["f32"])
 
 
 # The KV cache `kvc compile` stores by default: f16, the NPU plugin's type. bf16 (--kv-precision

@@ -173,10 +173,10 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     pipeline runs it in 21)."""
     from kvc.export.build import build_static
     from kvc.export.compile import DEFAULT_KV, device_config, model_max_positions
-    from kvc.runtime.session import array_dtype, shared_tensor
     from kvc.export.manifest import openvino_version, source_hashes
     from kvc.ir.reader import core, load, resolve
     from kvc.plan import StaticOptions
+    from kvc.runtime.session import array_dtype, shared_tensor
 
     say = progress or (lambda message: None)
     path = Path(model)

@@ -13,9 +13,8 @@ The policy, in order:
    logits within ``F32_ATOL + F32_RTOL × max |reference logit|`` (``f32_bound``).
 3. **Reduced precision** (f16 or bf16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤
    ``F16_NRMSE`` (0.05 when the KV cache is int8, or the graph selects with a TopK and the
-   arithmetic is below f32, `nrmse_limit`)
-   over the steps that share a context, and a token may differ only where rounding can explain it: the
-   reference's margin between its token and the one chosen instead must be below twice the
+   arithmetic is below f32, `nrmse_limit`) over the steps that share a context, and a token
+   may differ only where rounding can explain it: the reference's margin between its token and the one chosen instead must be below twice the
    *noise* of this run, the largest logit error measured before the divergence (every logit
    of the earlier steps, and every logit of the divergent step except the two tokens that
    swapped). The two swapped tokens are left out because a flip forces an error of at least
@@ -159,10 +158,11 @@ INT8_KV_NRMSE = 0.05
 SELECTING_NRMSE = INT8_KV_NRMSE
 
 
-def nrmse_limit(kv_element_types, selects: bool = False) -> float:
-    """The NRMSE a reduced-precision run may show: wider for an int8 KV cache, or when `selects`:
-    the graph selects (a TopK) and the run computes below f32 (`reduced_arithmetic`)."""
-    if selects:
+def nrmse_limit(kv_element_types, selects: bool = False, backend: str = "numpy", config: dict | None = None) -> float:
+    """The NRMSE a reduced-precision run may show: wider for an int8 KV cache, or when the graph
+    `selects` (a TopK) and the run on `backend` with `config` computes below f32
+    (`reduced_arithmetic`)."""
+    if selects and reduced_arithmetic(backend, config):
         return SELECTING_NRMSE
     return INT8_KV_NRMSE if any(t in ("i8", "u8") for t in kv_element_types) else F16_NRMSE
 

@@ -80,7 +80,7 @@ def verify_static(source_model, static: StaticModels, cases, ir_gens) -> dict:
 
     reference = OpenVINOSession(source_model, "CPU")
     reduced = reduced_precision(static.plan.kv_element_types, "numpy")
-    limit = nrmse_limit(static.plan.kv_element_types)  # f32 arithmetic: no wider bound for selecting graphs
+    limit = nrmse_limit(static.plan.kv_element_types)  # f32 arithmetic: never the selecting bound
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
         verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit)
@@ -96,14 +96,14 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
-    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_arithmetic, reduced_precision
+    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
     reduced = reduced_precision(kv_types, backend, config)
-    limit = nrmse_limit(kv_types, selecting and reduced_arithmetic(backend, config))
+    limit = nrmse_limit(kv_types, selecting, backend, config)
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -188,10 +188,11 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     prompts = prompts or default_prompts(lengths, vocab)
     kv_types = plan.kv_element_types
-    selecting = directory_selects(directory, manifest)
     references = {}
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
+    # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
+    selecting = any(reduced_arithmetic(b, configs[b]) for b in backends) and directory_selects(directory, manifest)
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
@@ -200,7 +201,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                 references[(i, n)] = greedy(ref, prompt, n)
             verdict = judge(references[(i, n)], pipe.generate(prompt, n),
                             reduced=reduced_precision(kv_types, backend, configs[backend]),
-                            limit=nrmse_limit(kv_types, selecting and reduced_arithmetic(backend, configs[backend])))
+                            limit=nrmse_limit(kv_types, selecting, backend, configs[backend]))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

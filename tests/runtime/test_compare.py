@@ -4,7 +4,7 @@ wrong output, and must allow a flip only at a true near-tie."""
 import numpy as np
 import pytest
 
-from kvc.runtime.compare import f32_bound, judge, nonfinite_mismatch
+from kvc.runtime.compare import F16_NRMSE, SELECTING_NRMSE, f32_bound, judge, nonfinite_mismatch, nrmse_limit
 from kvc.runtime.generate import Generation
 
 V = 1024  # wide enough that one wrong logit leaves NRMSE small: the token rule decides
@@ -168,3 +168,14 @@ def test_logit_drift_beyond_tolerance_with_equal_tokens():
     assert got.tokens == ref.tokens
     assert not judge(ref, got).ok
     assert judge(ref, got, reduced=True).ok  # NRMSE ~1e-4
+
+
+def test_a_selecting_graph_widens_the_bound_only_for_reduced_arithmetic():
+    """A TopK turns rounding into another expert where the arithmetic is below f32; kvc's numpy
+    runtime and f32 CPU blobs compute in f32 and keep the f16 bound whatever the KV type."""
+    bf16_cpu = {"INFERENCE_PRECISION_HINT": "bf16"}
+    assert nrmse_limit(["f16"], True, "openvino", bf16_cpu) == SELECTING_NRMSE
+    assert nrmse_limit(["f16"], True, "npu") == SELECTING_NRMSE
+    assert nrmse_limit(["bf16"], True, "numpy") == F16_NRMSE
+    assert nrmse_limit(["f16"], True, "openvino", {"INFERENCE_PRECISION_HINT": "f32"}) == F16_NRMSE
+    assert nrmse_limit(["f16"], False, "openvino", bf16_cpu) == F16_NRMSE
