@@ -8,18 +8,20 @@ exports it), with kvc's defaults and nothing tuned:
                peak RSS; against NPUW_LLM's compile_model of the stateful model (bench/probe_npuw.py
                compile) and, for CPU, the stateful model's compile_model on CPU
   disk         bytes of OUT's models and blobs (tokenizer files left out) over weights.bin
-  open         open_compiled(OUT) on OpenVINO CPU, in a fresh process: time and peak RSS;
-               against compile_model of the stateful model on CPU
+  open         open_compiled(OUT) on OpenVINO CPU, in a fresh process: time, peak RSS and the
+               RSS it then holds; against compile_model of the stateful model on CPU
   ttft         time to first token at prompts of 16, 100, 512 and 1000 tokens: kvc's pipeline
-               from OUT's CPU blobs (generate(prompt, 1)) against the stateful model on CPU,
-               alternating in one process (bench/ttft.py's measurements)
-  decode       ms per generated token after a 512-token prompt, 32 steps, alternating rounds:
-               kvc's pipeline from OUT's CPU blobs (the default precision: the plugin's own,
-               bf16 where the host has it) against the stateful model at the plugin's defaults;
-               then, tuned and said so, OUT compiled with --inference-precision f32 against
-               the stateful model at f32 (INFERENCE_PRECISION_HINT f32)
+               from OUT's CPU blobs (generate(prompt, 1)) against the stateful model on CPU
+  decode       ms per generated token after a 512-token prompt, 32 steps: kvc's pipeline from
+               OUT's CPU blobs (the default precision: the plugin's own, bf16 where the host
+               has it) against the stateful model at the plugin's defaults; then, tuned and said
+               so, OUT compiled with --inference-precision f32 against the stateful model at f32
+               (INFERENCE_PRECISION_HINT f32)
 
-Ratios are kvc over the peer, medians of --reps runs; the machine is shared, so read ratios.
+TTFT and decode run each engine alone in a fresh process, as a user runs it (an engine compiled
+first in a process that holds two ran slower here), kvc's process and the peer's back to back.
+Ratios are kvc over the peer, medians of --reps runs (for TTFT and decode, the median of each
+round's ratio); the machine is shared, so read ratios.
 
     /work/fxvenv/bin/python bench/build_model.py        # once: bench/.models/llama-250m-fp32
     python bench/default_path.py [--reps 3] [--only compile,disk,open,ttft,decode]
@@ -39,6 +41,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from probe_npuw import NPUW_LLM, stateful_inputs
 
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / ".models" / "llama-250m-fp32"
@@ -97,7 +101,7 @@ class TreeRss:
 # -- children: one measurement each, in a fresh process, printing one JSON line ---------------
 def child(kind: str, model: Path, out: Path, device: str) -> dict:
     TreeRss.start()
-    started = time.perf_counter()
+    started, engine = time.perf_counter(), None
     if kind in ("kvc-compile", "kvc-compile-f32"):
         from kvc.cli.main import cli
 
@@ -111,21 +115,29 @@ def child(kind: str, model: Path, out: Path, device: str) -> dict:
     elif kind == "kvc-open":
         from kvc.export.load import open_compiled
 
-        open_compiled(out, "openvino")
+        engine = open_compiled(out, "openvino")
     elif kind == "stateful-compile":
         import openvino as ov
 
-        ov.Core().compile_model(str(model / "openvino_model.xml"), "CPU").create_infer_request()
+        compiled = ov.Core().compile_model(str(model / "openvino_model.xml"), "CPU")
+        engine = compiled, compiled.create_infer_request()
     elif kind == "npuw-compile":
         import openvino as ov
 
-        sys.path.insert(0, str(BENCH))
-        from probe_npuw import NPUW_LLM
-
         ov.Core().compile_model(str(model / "openvino_model.xml"), "NPU", dict(NPUW_LLM)).create_infer_request()
+    elif kind in ("kvc", "kvc-f32", "stateful", "stateful-f32"):
+        return serve(kind, model, out)
     else:
         raise SystemExit(f"unknown child {kind}")
-    return {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
+    measured = {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
+    del engine  # held until its RSS is read
+    return measured
+
+
+def rss_mb() -> float:
+    """This process's RSS now (after an open: what it holds while it serves)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def run_child(kind: str, model: Path, out: Path, device: str = "CPU") -> dict:
@@ -188,32 +200,31 @@ def measure_open(model: Path, tmp: Path, reps: int) -> list[dict]:
         theirs.append(run_child("stateful-compile", model, out))
     return [{"step": "open", "what": "open_compiled(OUT) on OpenVINO CPU", "peer": "stateful compile_model (CPU)",
              "kvc_s": median_of(ours, "seconds"), "peer_s": median_of(theirs, "seconds"),
-             "kvc_rss_mb": median_of(ours, "peak_rss_mb"), "peer_rss_mb": median_of(theirs, "peak_rss_mb")}]
+             "kvc_rss_mb": median_of(ours, "peak_rss_mb"), "peer_rss_mb": median_of(theirs, "peak_rss_mb"),
+             "kvc_held_mb": median_of(ours, "rss_mb"), "peer_held_mb": median_of(theirs, "rss_mb")}]
 
 
 def stateful_feed(compiled, ids: np.ndarray, seen: int) -> dict:
-    n = ids.shape[1]
-    feed = {"input_ids": ids, "attention_mask": np.ones((1, seen + n), np.int64),
-            "position_ids": np.arange(seen, seen + n, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
     names = {name for port in compiled.inputs for name in port.get_names()}
-    return {k: v for k, v in feed.items() if k in names}
+    return {k: v for k, v in stateful_inputs(ids, seen).items() if k in names}
 
 
-def stateful_generate(compiled, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
-    """Greedy generation on the stateful model: TTFT and each later token's time."""
+def stateful_generate(compiled, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float], list[int]]:
+    """Greedy generation on the stateful model: TTFT, each later token's time, the tokens
+    (bench/kv_precision.py and bench/ttft.py use it too)."""
     request = compiled.create_infer_request()
     request.reset_state()
     start = time.perf_counter()
-    out = request.infer(stateful_feed(compiled, prompt[None], 0))
-    token = int(np.argmax(out["logits"][0, -1]))
+    out = request.infer(stateful_feed(compiled, prompt[None].astype(np.int64), 0))
+    tokens = [int(np.argmax(out["logits"][0, -1]))]
     ttft, steps, seen = time.perf_counter() - start, [], len(prompt)
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        out = request.infer(stateful_feed(compiled, np.array([[token]], np.int64), seen))
-        token = int(np.argmax(out["logits"][0, -1]))
+        out = request.infer(stateful_feed(compiled, np.array([[tokens[-1]]], np.int64), seen))
+        tokens.append(int(np.argmax(out["logits"][0, -1])))
         steps.append(time.perf_counter() - start)
         seen += 1
-    return ttft, steps
+    return ttft, steps, tokens
 
 
 def in_turn(i: int, *engines):
@@ -224,48 +235,69 @@ def in_turn(i: int, *engines):
     return engines[k:] + engines[:k]
 
 
-def measure_ttft(model: Path, tmp: Path, reps: int, pipeline, core) -> list[dict]:
-    stateful = core.compile_model(str(model / "openvino_model.xml"), "CPU")
-    rng, rows = np.random.default_rng(0), []
-    for n in (16, 100, 512, 1000):
+PROMPTS = (16, 100, 512, 1000)
+DECODE_PROMPT, DECODE_STEPS = 512, 32
+
+
+def serve(engine: str, model: Path, out: Path) -> dict:
+    """In a child: open one engine as a user would (nothing else compiled in the process), warm
+    it up, then TTFT at each prompt length (median of 3) and the median step of a 32-token decode
+    after a 512-token prompt."""
+    import openvino as ov
+
+    if engine.startswith("kvc"):
+        from kvc.export.load import open_compiled
+
+        pipeline = open_compiled(out, "openvino")
+        first = lambda prompt: pipeline.generate(prompt, 1).prefill_seconds  # noqa: E731
+        steps = lambda prompt, n: pipeline.generate(prompt, n).step_seconds  # noqa: E731
+    else:
+        compiled = ov.Core().compile_model(str(model / "openvino_model.xml"), "CPU",
+                                           EXACT if engine.endswith("f32") else {})
+        first = lambda prompt: stateful_generate(compiled, prompt, 1)[0]  # noqa: E731
+        steps = lambda prompt, n: stateful_generate(compiled, prompt, n)[1]  # noqa: E731
+    rng, ttft = np.random.default_rng(0), {}
+    for n in PROMPTS if not engine.endswith("f32") else ():
         prompt = rng.integers(1, 32000, n).astype(np.int64)
-        pipeline.generate(prompt, 1), stateful_generate(stateful, prompt, 1)  # warm-up, not counted
-        ours, theirs = [], []
-        for i in range(reps):
-            for who in in_turn(i, "kvc", "peer"):
-                if who == "kvc":
-                    ours.append(pipeline.generate(prompt, 1).prefill_seconds)
-                else:
-                    theirs.append(stateful_generate(stateful, prompt, 1)[0])
-        rows.append({"step": "ttft", "what": f"TTFT, {n}-token prompt", "peer": "stateful model on CPU (defaults)",
-                     "kvc_s": statistics.median(ours), "peer_s": statistics.median(theirs)})
-    return rows
+        first(prompt)  # warm-up, not counted
+        ttft[str(n)] = statistics.median(first(prompt) for _ in range(3))
+    prompt = np.random.default_rng(1).integers(1, 32000, DECODE_PROMPT).astype(np.int64)
+    steps(prompt, 3)
+    return {"ttft_s": ttft, "step_s": statistics.median(steps(prompt, DECODE_STEPS + 1))}
 
 
-def measure_decode(model: Path, tmp: Path, reps: int, pipeline, core, steps: int = 32) -> list[dict]:
-    from kvc.export.load import open_compiled
-
-    prompt = np.random.default_rng(1).integers(1, 32000, 512).astype(np.int64)
-    run_child("kvc-compile-f32", model, tmp / "compile-CPU-f32")
+def measure_serving(model: Path, tmp: Path, reps: int, only: list[str]) -> list[dict]:
+    """TTFT and decode, each engine in its own fresh process as a user runs it, the two engines'
+    processes back to back in each round (the first alternating); each ratio is the median of
+    the rounds' ratios, so drift on the shared machine cancels within a round. In one process
+    the engine compiled first ran slower here (two copies of the stateful model: 6%; kvc's
+    pipeline opened before the stateful model: decode 1.22x, after it: 1.04x, alone: 1.03x)."""
+    pairs = [("kvc", "stateful", tmp / "compile-CPU-0", "defaults")]
+    if "decode" in only:
+        run_child("kvc-compile-f32", model, tmp / "compile-CPU-f32")
+        pairs.append(("kvc-f32", "stateful-f32", tmp / "compile-CPU-f32", "tuned: --inference-precision f32"))
     rows = []
-    for label, ours_pipe, config in (("defaults", pipeline, {}),
-                                     ("tuned: --inference-precision f32", open_compiled(tmp / "compile-CPU-f32", "openvino"),
-                                      EXACT)):
-        stateful = core.compile_model(str(model / "openvino_model.xml"), "CPU", config)
-        precision = stateful.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-        blob = json.loads((tmp / ("compile-CPU-0" if not config else "compile-CPU-f32") / "manifest.json").read_text())
-        ours_precision = blob["models"]["prefill"]["blobs"]["CPU"]["import_config"]["INFERENCE_PRECISION_HINT"]
-        ours, theirs = [], []
+    for ours_kind, peer_kind, out, label in pairs:
+        runs = {ours_kind: [], peer_kind: []}
         for i in range(reps):
-            for who in in_turn(i, "kvc", "peer"):
-                if who == "kvc":
-                    ours.append(statistics.median(ours_pipe.generate(prompt, steps + 1).step_seconds))
-                else:
-                    theirs.append(statistics.median(stateful_generate(stateful, prompt, steps + 1)[1]))
-        rows.append({"step": "decode", "what": f"decode after a 512-token prompt, per token ({label}: {ours_precision})",
-                     "peer": f"stateful model on CPU at {precision}",
-                     "kvc_s": statistics.median(ours), "peer_s": statistics.median(theirs)})
-        del stateful, ours_pipe
+            for kind in in_turn(i, ours_kind, peer_kind):
+                runs[kind].append(run_child(kind, model, out))
+        ours, theirs = runs[ours_kind], runs[peer_kind]
+
+        def row(step, what, peer, get):
+            return {"step": step, "what": what, "peer": peer, "kvc_s": statistics.median(get(r) for r in ours),
+                    "peer_s": statistics.median(get(r) for r in theirs),
+                    "ratio": statistics.median(get(a) / get(b) for a, b in zip(ours, theirs))}
+
+        if "ttft" in only and ours_kind == "kvc":
+            rows += [row("ttft", f"TTFT, {n}-token prompt", "stateful model on CPU (defaults)",
+                         lambda r, n=n: r["ttft_s"][str(n)]) for n in PROMPTS]
+        if "decode" in only:
+            blob = json.loads((out / "manifest.json").read_text())
+            precision = blob["models"]["prefill"]["blobs"]["CPU"]["import_config"]["INFERENCE_PRECISION_HINT"]
+            rows.append(row("decode", f"decode after a {DECODE_PROMPT}-token prompt, per token ({label}: {precision})",
+                            f"stateful model on CPU at {'f32' if peer_kind.endswith('f32') else 'its default'}",
+                            lambda r: r["step_s"]))
     return rows
 
 
@@ -280,11 +312,15 @@ def table(rows: list[dict]) -> str:
         kvc, peer = r["kvc_s"] * scale, r["peer_s"] * scale
         cell = f"{kvc:.3g} {unit}"
         peer_cell = f"{r['peer']}: {peer:.3g} {unit}"
-        ratio = f"{kvc / peer:.2f}x"
+        ratio = f"{r.get('ratio', kvc / peer):.2f}x"
         if "kvc_rss_mb" in r:
             cell += f", peak RSS {r['kvc_rss_mb']:.0f} MB"
             peer_cell += f", {r['peer_rss_mb']:.0f} MB"
             ratio += f" (RSS {r['kvc_rss_mb'] / r['peer_rss_mb']:.2f}x)"
+        if "kvc_held_mb" in r:
+            cell += f"; then holds {r['kvc_held_mb']:.0f} MB"
+            peer_cell += f"; then {r['peer_held_mb']:.0f} MB"
+            ratio = ratio[:-1] + f", held {r['kvc_held_mb'] / r['peer_held_mb']:.2f}x)"
         lines.append(f"| {r['what']} | {cell} | {peer_cell} | {ratio} |")
     return "\n".join(lines)
 
@@ -321,15 +357,7 @@ def main(argv=None) -> int:
         if "open" in only:
             rows += measure_open(args.model, tmp, args.reps)
         if "ttft" in only or "decode" in only:
-            import openvino as ov
-
-            from kvc.export.load import open_compiled
-
-            core, pipeline = ov.Core(), open_compiled(tmp / "compile-CPU-0", "openvino")
-            if "ttft" in only:
-                rows += measure_ttft(args.model, tmp, args.reps, pipeline, core)
-            if "decode" in only:
-                rows += measure_decode(args.model, tmp, args.reps, pipeline, core)
+            rows += measure_serving(args.model, tmp, args.reps, only)
     print(json.dumps(rows))
     print()
     print(table(rows))

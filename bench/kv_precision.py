@@ -26,10 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from default_path import in_turn, stateful_generate
 
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / ".models" / "llama-250m-fp32"
@@ -86,9 +87,10 @@ def bench_rows(rounds: int) -> list[dict]:
     pipes = {kv: open_compiled(compile_out(kv, tmp), "openvino") for kv in ("f16", "bf16", "int8")}
     times = {kv: [] for kv in pipes}
     gens = {}
-    engines = list(pipes.items())
-    for r in range(rounds):  # each engine first in turn: the first of a round ran 4% slower here
-        for kv, pipe in engines[r % len(engines):] + engines[:r % len(engines)]:
+    # One process holds the three pipelines: each runs first in a round in turn, but the one
+    # opened first ran slower here (bench/default_path.py measures each engine in its own process)
+    for r in range(rounds):
+        for kv, pipe in in_turn(r, *pipes.items()):
             gen = pipe.generate(prompt, 33)
             gens[kv] = gen
             times[kv].append(1e3 * statistics.median(gen.step_seconds))
@@ -114,7 +116,7 @@ def bench_rows(rounds: int) -> list[dict]:
     tokens, st_times = {}, {k: [] for k in stateful}
     for _ in range(rounds):
         for kvp, compiled in stateful.items():
-            toks, steps = stateful_decode(compiled, prompt, 33)
+            _, steps, toks = stateful_generate(compiled, prompt, 33)
             tokens[kvp] = toks
             st_times[kvp].append(1e3 * statistics.median(steps))
     layers = 16 * 2 * 4 * 64  # layers x (K, V) x KV heads x head size of the bench model
@@ -124,25 +126,6 @@ def bench_rows(rounds: int) -> list[dict]:
                      "decode_ms": statistics.median(st_times[kvp]),
                      "agreement": float(np.mean(np.array(tokens[kvp]) == np.array(tokens["f16"])))})
     return rows
-
-
-def stateful_decode(compiled, prompt, n):
-    request = compiled.create_infer_request()
-    request.reset_state()
-    seen = len(prompt)
-    feed = {"input_ids": prompt[None].astype(np.int64), "attention_mask": np.ones((1, seen), np.int64),
-            "position_ids": np.arange(seen, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
-    out = request.infer(feed)
-    tokens, steps = [int(np.argmax(out["logits"][0, -1]))], []
-    for _ in range(n - 1):
-        start = time.perf_counter()
-        out = request.infer({"input_ids": np.array([[tokens[-1]]], np.int64),
-                             "attention_mask": np.ones((1, seen + 1), np.int64),
-                             "position_ids": np.array([[seen]], np.int64), "beam_idx": np.zeros(1, np.int32)})
-        steps.append(time.perf_counter() - start)
-        tokens.append(int(np.argmax(out["logits"][0, -1])))
-        seen += 1
-    return tokens, steps
 
 
 def main(argv=None) -> int:

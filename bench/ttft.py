@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from default_path import stateful_generate
+
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / ".models" / "llama-250m-fp32"
 PROMPTS = (16, 100, 512, 1000)
@@ -35,16 +37,7 @@ CONFIGS = ("default", "--prefill-chunk-size 64", "--prefill-chunk-size 128", "--
 
 
 def stateful_ttft(compiled: ov.CompiledModel, prompt: np.ndarray) -> float:
-    request = compiled.create_infer_request()
-    request.reset_state()
-    n = len(prompt)
-    feed = {"input_ids": prompt[None], "attention_mask": np.ones((1, n), np.int64),
-            "position_ids": np.arange(n, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
-    names = {name for port in compiled.inputs for name in port.get_names()}
-    start = time.perf_counter()
-    out = request.infer({k: v for k, v in feed.items() if k in names})
-    int(np.argmax(out["logits"][0, -1]))
-    return time.perf_counter() - start
+    return stateful_generate(compiled, prompt, 1)[0]
 
 
 def kvc_ttft(pipeline, prompt: np.ndarray) -> float:

@@ -209,7 +209,7 @@ def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover
     runs = []
     for offset in (0, shift):
         pos = np.arange(offset, offset + C, dtype=np.int64).reshape(1, C)
-        out = session.infer({**pipeline._feed(session, ids, mask, pos), **pasts})
+        out = session.infer({**pipeline.step_feed(session, ids, mask, pos), **pasts})
         runs.append({s.input: np.array(out[s.output]) for s in pipeline.kv})
     first, shifted = runs
     rotations, errors = {}, {}

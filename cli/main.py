@@ -2,7 +2,8 @@
 
 Commands parse their options, call `kvc.*`, and render. Expected failures are `KvcError`s:
 they print one clear message and exit with the error's code (README, "Exit codes"); only
-`--debug` shows a traceback. Anything else is an internal error (exit 1).
+`--debug` shows a traceback. Ctrl-C exits 130 ("kvc: interrupted"); anything else is an
+internal error (exit 1).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvc import __version__
 from kvc.errors import KvcError
 
 INTERNAL_ERROR = 1
+INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
 
 class KvcGroup(click.Group):
@@ -27,6 +29,9 @@ class KvcGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: not a bug; what was being written is already removed
+            click.echo("kvc: interrupted", err=True)
+            ctx.exit(INTERRUPTED)
         except BrokenPipeError:  # `kvc ... | head`: the reader left; that is not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)

@@ -129,8 +129,9 @@ class StaticPipeline:
 
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
-    def _feed(session: Session, ids, mask, positions) -> dict:
-        """This step's small inputs; the past is bound to the shared buffers."""
+    def step_feed(session: Session, ids, mask, positions) -> dict:
+        """This step's small inputs, for the inputs `session` has; the past is bound to the
+        shared buffers (a caller feeding its own past adds it)."""
         feed = {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
@@ -148,7 +149,7 @@ class StaticPipeline:
             mask[0, P - n:] = 1
             pos = np.zeros((1, P), np.int64)
             pos[0, P - n:] = np.arange(n)
-            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos))
+            out = self.prefill.infer(self.step_feed(self.prefill, ids, mask, pos))
             for spec in self.kv:
                 self._store(spec, out[spec.output], 0, slice(P - n, P))
             logits = out["logits"][0]
@@ -164,7 +165,7 @@ class StaticPipeline:
             mask[0, P - k:] = 1
             pos = np.zeros((1, C), np.int64)
             pos[0, C - k:] = np.arange(stored, stored + k)
-            out = self.prefill.infer(self._feed(self.prefill, ids, mask, pos))
+            out = self.prefill.infer(self.step_feed(self.prefill, ids, mask, pos))
             for spec in self.kv:
                 self._store(spec, out[spec.output], stored, slice(C - k, C))
             logits = out["logits"][0]
@@ -204,7 +205,8 @@ class StaticPipeline:
         mask = np.zeros((1, variant), np.int64)
         mask[0, :stored] = 1
         mask[0, variant - G:] = 1
-        out = session.infer(self._feed(session, np.array([[token]], np.int64), mask, np.array([[stored]], np.int64)))
+        ids, pos = np.array([[token]], np.int64), np.array([[stored]], np.int64)
+        out = session.infer(self.step_feed(session, ids, mask, pos))
         kept = stored + G <= self.lengths.capacity - G  # the last step's row is never read again
         if kept:
             for spec in self.kv:

@@ -1,4 +1,5 @@
-"""Faults while `kvc compile` writes: a full disk, a file size limit, kill -9 at sampled moments.
+"""Faults while `kvc compile` writes: a full disk, a file size limit, kill -9 at sampled moments,
+Ctrl-C.
 
 After each, OUT is absent or complete (and verifies), nothing half-written is left beside it
 (or the next compile removes it and says so), and the failure is a clean exit 7 naming OUT.
@@ -7,7 +8,9 @@ After each, OUT is absent or complete (and verifies), nothing half-written is le
 from __future__ import annotations
 
 import resource
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -72,3 +75,23 @@ def test_kill_9_at_sampled_moments_leaves_out_absent_or_complete(tmp_path):
     assert sum(r["killed"] for r in rows) >= 3, rows  # most moments land inside the compile
     bad = [r for r in rows if not r["survived"]]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 1.5])
+def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, wait_s):
+    """SIGINT (Ctrl-C) while the compile writes its partial directory: exit 130 with one line
+    and no traceback (not 1, which says "a bug in kvc"), and nothing left beside OUT."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(corpus.kvc_command() + [str(a) for a in COMPILE] + ["-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the compile never started writing"
+        time.sleep(0.01)
+    time.sleep(wait_s)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "kvc: interrupted"
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ import pytest
 
 from kvc import fixtures
 from kvc.errors import UsageError
-from kvc.planner import (Budget, Costs, Workload, best_plan, decode_ms, evaluate, load_workload, prefill_ms,
+from kvc.planner import (Budget, Costs, Workload, best_plan, decode_ms, load_workload, prefill_ms,
                          read_plan)
 from tests.cli.runner import kvc
 
