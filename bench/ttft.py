@@ -6,7 +6,10 @@ then for each prompt length the two engines alternate `--reps` times: the statef
 (compile_model on CPU with the plugin's defaults, reset, one infer over the prompt) and kvc's
 pipeline opened from OUT's blobs (`generate(prompt, 1)`: the prefill, padded or chunked).
 TTFT is the median; the ratio is kvc over stateful. The first configuration is the default
-path (no options); the others say what they change.
+path (no options); the others say what they change. Both engines share one process, the
+stateful model compiled first (the engine compiled first in a process ran slower on this
+host): compare configurations with each other; bench/default_path.py gives the user's ratio,
+each engine in its own process.
 
     /work/fxvenv/bin/python bench/build_model.py          # once: bench/.models/llama-250m-fp32
     python bench/ttft.py                                  # default path, then chunk sizes
