@@ -28,7 +28,10 @@ _DEVICE = {"openvino": "CPU", "npu": "NPU"}
 BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
 
 
-def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool) -> Session:
+def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
+             sweep: bool = False) -> Session:
+    """One model's session; `sweep`: page out weights.bin as a blob import reads it (an open's
+    imports after its first: export/mapped.py)."""
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
     device = _DEVICE.get(backend)
@@ -39,7 +42,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         if "WEIGHTS_PATH" in config:
             config["WEIGHTS_PATH"] = str(directory / config["WEIGHTS_PATH"])
         try:
-            with pages_released(weights):
+            with pages_released(weights, sweep=sweep):
                 compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()),
                                                              device, config)
         except RuntimeError as exc:
@@ -129,12 +132,16 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
                          f"plugin does not take (its requests want f16); compile it again with --kv-precision f16 "
                          f"(or --device CPU,NPU) to run it on the NPU")
 
+    made = []
+
     def session(name: str):
+        sweep = bool(made)  # the first import leaves weights.bin in the page cache for the others
+        made.append(name)
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
-            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir), dtypes, backend)
-        return _session(directory, manifest, name, backend, from_ir)
+            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir, sweep), dtypes, backend)
+        return _session(directory, manifest, name, backend, from_ir, sweep)
 
     generate = {}
     for name in manifest["models"]:
