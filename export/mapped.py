@@ -16,7 +16,12 @@ same held RSS (1539 MB) and tokens. Paging out also evicts the file's pages from
 (no other mapping holds them), so an import that follows reads the file from disk again: sweeping
 both imports cost 0.7-0.9 s of a 1.7-2.5 s open. So an open sweeps every import but its first,
 which reads the file into the page cache for the others and peaks below the second's unswept
-peak (the first model's packed weights are not resident yet). MADV_PAGEOUT never loses data, whatever the range holds by
+peak (the first model's packed weights are not resident yet). What it costs, measured on the
+bench model: 0.45 s more to open from a warm page cache (1.73-1.86 s against 1.27-1.32), and
+the file is out of the page cache afterwards, so the next open reads it from disk (2.4-3.5 s in
+a row here, at the VM's 600 MB/s; posix_fadvise WILLNEED is ignored here and does not refill
+it). The trade is taken for the memory: a second copy of the weights file at every open is what
+runs a small machine out of memory. MADV_PAGEOUT never loses data, whatever the range holds by
 the time the call lands: clean file pages are dropped and read again from the file when touched,
 dirty or anonymous pages are written to swap or left where they are. So the sweep needs no
 guarantee that the mapping is still the plugin's (the import may unmap it on failure, and memory
@@ -116,3 +121,4 @@ def pages_released(path: str | Path, *, sweep: bool = True):
             sweeper.join()
     for start, end in sorted(shared_readonly_mappings(path) - before):
         _madvise(start, end - start, _MADV_DONTNEED)
+
