@@ -9,24 +9,25 @@ against 1.6 GB for the stateful model).
 
 While an import runs, a thread of kvc's asks the kernel every 50 ms to page out what the import
 has read so far of its new mappings (``madvise(MADV_PAGEOUT)``): the plugin reads each constant
-once to pack it, so the file is never resident whole. Without it the second model's import held
-all of weights.bin (938 MB) beside the first model's packed weights: opening the 250M model
-peaked at 2472 MB, 1.57x the stateful model's compile_model; with it, 1584 MB (1.01x), and the
-same held RSS (1539 MB) and tokens. Paging out also evicts the file's pages from the page cache
-(no other mapping holds them), so an import that follows reads the file from disk again: sweeping
-both imports cost 0.7-0.9 s of a 1.7-2.5 s open. So an open sweeps every import but its first,
-which reads the file into the page cache for the others and peaks below the second's unswept
-peak (the first model's packed weights are not resident yet). What it costs, measured on the
-bench model: 0.45 s more to open from a warm page cache (1.73-1.86 s against 1.27-1.32), and
-the file is out of the page cache afterwards, so the next open reads it from disk (2.4-3.5 s in
-a row here, at the VM's 600 MB/s; posix_fadvise WILLNEED is ignored here and does not refill
-it). The trade is taken for the memory: a second copy of the weights file at every open is what
-runs a small machine out of memory. MADV_PAGEOUT never loses data, whatever the range holds by
-the time the call lands: clean file pages are dropped and read again from the file when touched,
-dirty or anonymous pages are written to swap or left where they are. So the sweep needs no
-guarantee that the mapping is still the plugin's (the import may unmap it on failure, and memory
-mapped at the same address would only be paged out); pages a second mapping also maps are
-skipped by the kernel.
+once to pack it, so the file is never resident whole. Paging out also evicts the file's pages
+from the page cache (no other mapping holds them), so an import that follows would read the file
+from disk again: an open sweeps every import but its first, which reads the file into the page
+cache for the others and peaks lower than an unswept second import would (the first model's
+packed weights are not resident yet). Measured on the 250M bench model, alternating fresh
+processes: opening peaked at 2473 MB without the sweep (1.57x the stateful model's
+compile_model: the second import held all 938 MB of weights.bin beside the first model's packed
+weights) and 1757 MB with it (1.12x), the same held RSS (1541 MB) and tokens. Its price: 0.45 s
+more to open from a warm page cache (1.73-1.86 s against 1.27-1.32), and the file is out of the
+page cache afterwards, so the next open reads it from disk (2.4-3.5 s in a row on the VM's
+600 MB/s disk; posix_fadvise WILLNEED does not refill it there); sweeping the first import too
+cost 0.7-0.9 s more. The trade is taken for the memory: a second copy of the weights file at
+every open is what runs a small machine out of memory.
+
+MADV_PAGEOUT never loses data, whatever the range holds by the time the call lands: clean file
+pages are dropped and read again from the file when touched, dirty or anonymous pages are written
+to swap or left where they are. So the sweep needs no guarantee that the mapping is still the
+plugin's (the import may unmap it on failure, and memory mapped at the same address would only
+be paged out); pages another mapping also maps are skipped by the kernel.
 
 After each import kvc asks the kernel to drop the new mappings' remaining pages from the process
 (``madvise(MADV_DONTNEED)``). The rules that make this safe:
@@ -121,4 +122,3 @@ def pages_released(path: str | Path, *, sweep: bool = True):
             sweeper.join()
     for start, end in sorted(shared_readonly_mappings(path) - before):
         _madvise(start, end - start, _MADV_DONTNEED)
-
