@@ -204,23 +204,24 @@ def measure_open(model: Path, tmp: Path, reps: int) -> list[dict]:
              "kvc_held_mb": median_of(ours, "rss_mb"), "peer_held_mb": median_of(theirs, "rss_mb")}]
 
 
-def stateful_feed(compiled, ids: np.ndarray, seen: int) -> dict:
-    names = {name for port in compiled.inputs for name in port.get_names()}
+def stateful_feed(names: set[str], ids: np.ndarray, seen: int) -> dict:
+    """The stateful model's inputs for `ids` after `seen` tokens, those of `names` it has."""
     return {k: v for k, v in stateful_inputs(ids, seen).items() if k in names}
 
 
 def stateful_generate(compiled, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float], list[int]]:
     """Greedy generation on the stateful model: TTFT, each later token's time, the tokens
     (bench/kv_precision.py and bench/ttft.py use it too)."""
+    names = {name for port in compiled.inputs for name in port.get_names()}  # once, not in the timed steps
     request = compiled.create_infer_request()
     request.reset_state()
     start = time.perf_counter()
-    out = request.infer(stateful_feed(compiled, prompt[None].astype(np.int64), 0))
+    out = request.infer(stateful_feed(names, prompt[None].astype(np.int64), 0))
     tokens = [int(np.argmax(out["logits"][0, -1]))]
     ttft, steps, seen = time.perf_counter() - start, [], len(prompt)
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        out = request.infer(stateful_feed(compiled, np.array([[tokens[-1]]], np.int64), seen))
+        out = request.infer(stateful_feed(names, np.array([[tokens[-1]]], np.int64), seen))
         tokens.append(int(np.argmax(out["logits"][0, -1])))
         steps.append(time.perf_counter() - start)
         seen += 1

@@ -14,7 +14,8 @@ The policy, in order:
 3. **Reduced precision** (f16 or bf16 KV, the NPU plugin, OpenVINO CPU below f32): NRMSE ≤
    ``F16_NRMSE`` (0.05 when the KV cache is int8, or the graph selects with a TopK and the
    arithmetic is below f32, `nrmse_limit`) over the steps that share a context, and a token
-   may differ only where rounding can explain it: the reference's margin between its token and the one chosen instead must be below twice the
+   may differ only where rounding can explain it: the reference's margin between its token
+   and the one chosen instead must be below twice the
    *noise* of this run, the largest logit error measured before the divergence (every logit
    of the earlier steps, and every logit of the divergent step except the two tokens that
    swapped). The two swapped tokens are left out because a flip forces an error of at least

@@ -223,7 +223,8 @@ def test_a_selecting_models_numpy_check_keeps_the_f16_bound(tmp_path, monkeypatc
     for branch in ("prefill", "generate-80", "generate-128"):
         _fault_in(monkeypatch, branch, ScaleLastAttention())
     with pytest.raises(VerificationError, match="the compiled pipeline does not reproduce"):
-        compile_to(fixtures.path("gpt_oss"), tmp_path / "out", CompileOptions(dataclasses.replace(SMALL, kv_precision="bf16")))
+        compile_to(fixtures.path("gpt_oss"), tmp_path / "out",
+                   CompileOptions(dataclasses.replace(SMALL, kv_precision="bf16")))
     assert not (tmp_path / "out").exists()
 
 
