@@ -85,7 +85,7 @@ def child_decode(compiled: Path, prompt_len: int, steps: int, rounds: int, profi
     import numpy as np
 
     import kvc.ir as ir
-    from kvc.export.manifest import plan_of, read_manifest
+    from kvc.export.manifest import model_kind, plan_of, read_manifest
     from kvc.runtime.session import OpenVINOSession
     from kvc.runtime.static_pipeline import StaticPipeline
 
@@ -96,8 +96,10 @@ def child_decode(compiled: Path, prompt_len: int, steps: int, rounds: int, profi
         m = ir.load(compiled / manifest["models"][name]["xml"], weights=compiled / "weights.bin")
         return OpenVINOSession(m, "CPU", config, exact=False)
 
-    generate = {int(n.split("-")[1]): session(n) for n in manifest["models"] if n.startswith("generate-")}
-    pipe = StaticPipeline(session("prefill"), generate, plan_of(manifest))
+    kinds = {n: model_kind(n) for n in manifest["models"]}
+    generate = {size: session(n) for n, (kind, size) in kinds.items() if kind == "generate"}
+    bulk = {size: session(n) for n, (kind, size) in kinds.items() if kind == "prefill" and size}
+    pipe = StaticPipeline(session("prefill"), generate, plan_of(manifest), bulk=bulk)
     prompt = np.random.default_rng(0).integers(1, 32000, prompt_len)
     prefill, per_token, variants = [], [], None
     for _ in range(rounds):

@@ -100,8 +100,10 @@ def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
     lengths = read_plan(path)
     kwargs.update({k: lengths[k] for k in PLANNED[:3]})
     kwargs["variants"] = ",".join(map(str, lengths["variants"]))
+    chunk = lengths["prefill_chunk_size"]
     progress(f"plan {path}: P {lengths['max_prompt_len']}, R {lengths['min_response_len']}, chunk "
-             f"{lengths['prefill_chunk_size'] or 'none'}, variants {kwargs['variants']}")
+             f"{' + '.join(map(str, chunk)) if isinstance(chunk, tuple) else chunk or 'none'}, "
+             f"variants {kwargs['variants']}")
 
 
 def source_name(path: Path, bundled: bool) -> str:
@@ -110,22 +112,19 @@ def source_name(path: Path, bundled: bool) -> str:
     return f"the bundled model ({path.parent.name})" if bundled else str(path)
 
 
-def model_order(manifest: dict) -> list[str]:
-    """The models as compile builds them: prefill, then the generate variants by size."""
-    names = list(manifest["models"])
-    return sorted(names, key=lambda n: (n != "prefill", int(n.split("-", 1)[1]) if n.startswith("generate-") else 0, n))
-
-
 def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
+    from kvc.export.manifest import model_order
+    from kvc.plan import chunk_label
+
     L = manifest["plan"]["lengths"]
     click.echo(f"compiled {source or manifest['source']['path']} -> {out}")
     click.echo(f"lengths: prompt P={L['max_prompt_len']}, response R={L['min_response_len']}, "
-               f"chunk={L['prefill_chunk_size'] or 'none'}, capacity={L['capacity']}, "
+               f"chunk={chunk_label(L)}, capacity={L['capacity']}, "
                f"generate variants {', '.join(map(str, L['generate_sizes']))}")
     for note in L["adjustments"]:
         click.echo(f"  adjusted: {note}")
     rows = []
-    for name in model_order(manifest):
+    for name in model_order(manifest["models"]):
         m = manifest["models"][name]
         shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")

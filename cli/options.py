@@ -131,15 +131,16 @@ def pass_plugin_option(f):
 
 
 def _chunk_value(ctx, param, value):
+    """auto, one size, or sizes like 64,512 (the smallest the chunk, the others bulk chunks)."""
     if value == "auto":
         return value
     try:
-        chunk = int(value)
+        sizes = tuple(int(v) for v in str(value).split(","))
     except ValueError:
-        chunk = -1
-    if chunk < 0:
-        raise click.BadParameter(f"expected auto or a size >= 0, found {value!r}")
-    return chunk
+        sizes = (-1,)
+    if any(s < 0 for s in sizes):
+        raise click.BadParameter(f"expected auto, a size >= 0 or sizes like 64,512, found {value!r}")
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def static_options(f):
@@ -154,9 +155,11 @@ def static_options(f):
                      help="Tokens guaranteed after a full prompt (NPUW_LLM_MIN_RESPONSE_LEN); aligned up to 64. "
                           "Default 128."),
         click.option("--prefill-chunk-size", default="auto", show_default=True, callback=_chunk_value,
-                     help="Chunked prefill size, a power of two (0: the whole prompt at once). auto: "
-                          "when compiling for CPU only, 32 for f32 CPU blobs and 64 for bf16 or f16 ones, else 0 "
-                          "(NPUW's default: up to 1024 at once)."),
+                     help="Chunked prefill size, a power of two (0: the whole prompt at once); several, like "
+                          "64,512: the smallest is the chunk, each larger one a bulk prefill model that long "
+                          "prompts run in fewer calls. auto: when compiling for CPU only, 32,512 for f32 CPU blobs "
+                          "and 64,512 for bf16 or f16 ones (512 dropped when P is not above it), else 0 (NPUW's "
+                          "default: up to 1024 at once)."),
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),

@@ -1,7 +1,8 @@
 """Build the static model set of a pipeline: one prefill model and sized generate variants.
 
     loaded model ──common passes (lift-state, dense-experts, rotate-half-rope; or --passes)──► lifted
-                    ├─ static-shape{prefill}    → tail ─► "prefill"
+                    ├─ static-shape{prefill}    → tail ─► "prefill" (chunk C)
+                    ├─ static-shape{prefill B}  → tail ─► "prefill-B" (per bulk chunk B)
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
     tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention]
@@ -67,6 +68,8 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
         return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped]
 
     branches = {"prefill": [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=lengths.chunk), *tail(True)]}
+    for chunk in lengths.bulk:
+        branches[f"prefill-{chunk}"] = [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=chunk), *tail(True)]
     for size in lengths.sizes:
         branches[f"generate-{size}"] = [StaticShape(kind="generate", size=size, tokens=lengths.tokens), *tail(False)]
     return branches

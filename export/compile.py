@@ -81,15 +81,18 @@ def blob_name(model: str, device: str) -> str:
 PRECISIONS = ("auto", "f32", "bf16", "f16")
 
 
-# The CPU's default prefill chunk, measured by bench/ttft.py on the 250M Llama (docs/benchmarks.md):
-# the best worst-case TTFT against the stateful model over prompts of 16 to 1000 tokens. A call
-# costs a pass over the weights plus its tokens' work, so the cheaper a token's arithmetic, the
-# larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x, 64: 3.11x; the whole 1024-token
-# prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x; 32: 2.61x, 128: 3.15x).
-CPU_CHUNK = {"f32": 32, "bf16": 64, "f16": 64}
+# The CPU's default prefill chunks, measured on the 250M Llama (docs/benchmarks.md). The chunk:
+# the best worst-case TTFT of one size against the stateful model over prompts of 16 to 1000
+# tokens (bench/ttft.py). A call costs a pass over the weights plus its tokens' work, so the
+# cheaper a token's arithmetic, the larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x,
+# 64: 3.11x; the whole 1024-token prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x;
+# 32: 2.61x, 128: 3.15x). The bulk chunk of 512 takes long prompts in fewer passes over the
+# weights (bf16, each engine in its own process: 512 tokens 1.85x -> 1.10x, 1000 tokens 1.75x
+# -> 1.09x, bench/default_path.py); it is dropped where P is not above it.
+CPU_CHUNK = {"f32": (32, 512), "bf16": (64, 512), "f16": (64, 512)}
 
 
-def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int:
+def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
     """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
     arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
     if value != "auto":

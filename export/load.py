@@ -18,7 +18,7 @@ import openvino as ov
 from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
 from kvc.export.mapped import pages_released
-from kvc.export.manifest import check_blob_version, check_files, check_ports, plan_of, read_manifest
+from kvc.export.manifest import check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest
 from kvc.ir.reader import core, load
 from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session, backend_dtype
 from kvc.runtime.static_pipeline import StaticPipeline
@@ -143,13 +143,18 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
             return LazySession(lambda: _session(directory, manifest, name, backend, from_ir, sweep), dtypes, backend)
         return _session(directory, manifest, name, backend, from_ir, sweep)
 
-    generate = {}
+    generate, bulk = {}, {}
     for name in manifest["models"]:
-        if name.startswith("generate-"):
-            generate[int(name.split("-", 1)[1])] = session(name)
+        kind, size = model_kind(name)
+        if kind == "generate":
+            generate[size] = session(name)
     prefill = session("prefill")
+    for name in manifest["models"]:
+        kind, size = model_kind(name)
+        if kind == "prefill" and size is not None:
+            bulk[size] = session(name)
     logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-    return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1])
+    return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk)
 
 
 class LazySession:

@@ -32,7 +32,7 @@ class StaticOptions:
 
     max_prompt_len: int | None = None  # None: DEFAULT_MAX_PROMPT_LEN, lowered to fit max_positions
     min_response_len: int | None = None  # None: DEFAULT_MIN_RESPONSE_LEN
-    prefill_chunk_size: int = 0
+    prefill_chunk_size: int | tuple[int, ...] = 0  # several: the smallest is the chunk, the others bulk chunks
     variants: str | tuple[int, ...] = "pyramid"  # NPUW_LLM_GENERATE_PYRAMID's default (YES) in OpenVINO 2026.4
     kv_precision: str = "f32"
     transpose_v: bool = False
@@ -55,13 +55,14 @@ class StaticOptions:
                             max_positions=self.max_positions)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # as JSON reads
 
     @classmethod
     def from_dict(cls, d: dict) -> "StaticOptions":
         d = dict(d)
-        if isinstance(d.get("variants"), list):
-            d["variants"] = tuple(d["variants"])
+        for key in ("variants", "prefill_chunk_size"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)
 
 
@@ -79,6 +80,7 @@ class LengthPlan:
     sizes: tuple[int, ...]  # generate variants T1 < ... < Tn (Tn = P + R)
     tokens: int = 1  # G
     notes: tuple[str, ...] = field(default=())
+    bulk: tuple[int, ...] = ()  # larger prefill chunks C < B1 < ... < P, each its own prefill model
 
     @property
     def capacity(self) -> int:
@@ -86,8 +88,8 @@ class LengthPlan:
 
     def to_dict(self) -> dict:
         return {"max_prompt_len": self.prompt, "min_response_len": self.response, "prefill_chunk_size": self.chunk,
-                "generate_sizes": list(self.sizes), "tokens_per_step": self.tokens, "capacity": self.capacity,
-                "adjustments": list(self.notes)}
+                "prefill_bulk_chunks": list(self.bulk), "generate_sizes": list(self.sizes),
+                "tokens_per_step": self.tokens, "capacity": self.capacity, "adjustments": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LengthPlan":
@@ -101,11 +103,22 @@ class LengthPlan:
                 raise ValueError(f"{key} must be a non-negative integer, found {value!r}")
         if not (isinstance(d["adjustments"], list) and all(isinstance(a, str) for a in d["adjustments"])):
             raise ValueError("adjustments must be a list of strings")
+        bulk = d.get("prefill_bulk_chunks", [])  # absent from manifests written before bulk chunks
+        if not (isinstance(bulk, list) and all(_is_int(b) for b in bulk) and bulk == sorted(set(bulk))):
+            raise ValueError(f"prefill_bulk_chunks must be increasing integers, found {bulk!r}")
         plan = cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(sizes),
-                   d["tokens_per_step"], tuple(d["adjustments"]))
+                   d["tokens_per_step"], tuple(d["adjustments"]), tuple(bulk))
         if plan.prompt < 1 or plan.tokens < 1 or plan.capacity <= plan.prompt:
             raise ValueError(f"lengths are inconsistent: P {plan.prompt}, G {plan.tokens}, capacity {plan.capacity}")
+        if bulk and not (plan.chunk and plan.chunk < bulk[0] and bulk[-1] < plan.prompt):
+            raise ValueError(f"bulk chunks {bulk} must lie between the chunk {plan.chunk} and P {plan.prompt}")
         return plan
+
+
+def chunk_label(lengths: dict) -> str:
+    """A manifest's prefill chunks as outputs show them: "64", "64 + bulk 512", "none"."""
+    chunk, bulk = lengths.get("prefill_chunk_size"), lengths.get("prefill_bulk_chunks") or []
+    return f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk)
 
 
 def _is_int(value) -> bool:
@@ -116,8 +129,8 @@ MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 
 def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None = None,
-                 chunk: int = 0, variants: str | tuple[int, ...] = "pyramid", align: int = NPUW_ALIGN,
-                 max_positions: int | None = None) -> LengthPlan:
+                 chunk: int | tuple[int, ...] = 0, variants: str | tuple[int, ...] = "pyramid",
+                 align: int = NPUW_ALIGN, max_positions: int | None = None) -> LengthPlan:
     """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
     aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
     explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`.
@@ -133,8 +146,21 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     Unset lengths (None) are NPUW's defaults, P = 1024 and R = 128, except that when neither is
     set and the model states fewer `max_positions` than P + R, P is lowered (in steps of
     `align`, not below one step or the chunk) so that P + R fits: the defaults never build
-    positions the model was not built for. Lengths the user sets are kept as asked."""
+    positions the model was not built for. Lengths the user sets are kept as asked.
+
+    Several chunk sizes (a tuple; kvc's own, not NPUW's): the smallest is the chunk C as
+    above, the larger ones are bulk chunks, each a prefill model of its own that long prompts
+    run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P), else it
+    is dropped with a note."""
     notes = []
+    sizes_asked = tuple(sorted(set(chunk))) if isinstance(chunk, tuple) else (chunk,)
+    if not sizes_asked or any(not _is_int(c) or c < 0 or (c and c & (c - 1)) for c in sizes_asked):
+        shown = ",".join(map(str, sizes_asked)) if isinstance(chunk, tuple) else chunk
+        raise UsageError(f"prefill chunk size must be a power of two, got {shown}")
+    if len(sizes_asked) > 1 and sizes_asked[0] == 0:
+        raise UsageError(f"prefill chunk sizes {list(sizes_asked)}: 0 (the whole prompt at once) cannot be combined "
+                         f"with chunks")
+    chunk, bulk = sizes_asked[0], sizes_asked[1:]
     fit = max_prompt_len is None and min_response_len is None and max_positions
     max_prompt_len = DEFAULT_MAX_PROMPT_LEN if max_prompt_len is None else max_prompt_len
     min_response_len = DEFAULT_MIN_RESPONSE_LEN if min_response_len is None else min_response_len
@@ -151,8 +177,6 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         raise UsageError(f"max prompt length {max_prompt_len} + min response length {min_response_len} "
                          f"(--max-prompt-len, --min-response-len) exceed {MAX_LENGTH} positions; the static models "
                          f"would not fit in memory")
-    if chunk < 0 or (chunk and chunk & (chunk - 1)):
-        raise UsageError(f"prefill chunk size must be a power of two, got {chunk}")
     p = _align_up(max_prompt_len, align) if align > 1 else max_prompt_len
     if p != max_prompt_len:
         notes.append(f"max prompt length {max_prompt_len} aligned up to {p} (multiple of {align})")
@@ -163,6 +187,11 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         if p2 != p:
             notes.append(f"max prompt length {p} aligned up to {p2} (multiple of the chunk size {chunk})")
         p = p2
+        kept = tuple(b for b in bulk if b < p)
+        if kept != bulk:
+            notes.append(f"prefill bulk chunk {', '.join(str(b) for b in bulk if b >= p)} dropped: not below the max "
+                         f"prompt length {p}")
+        bulk = kept
         if chunk == p:  # one chunk with an empty past: the whole prompt at once
             notes.append(f"prefill chunk size {chunk} is the max prompt length: the whole prompt at once")
             chunk = 0
@@ -184,7 +213,7 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         sizes = tuple(sorted(set(asked) | {total}))
         if total not in asked:
             notes.append(f"generate variant {total} (= P + R) added: the largest variant must hold the capacity")
-    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes))
+    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes), bulk)
 
 
 @dataclass(frozen=True)
@@ -239,4 +268,4 @@ class StaticPlan:
                    tuple(KVSpec.from_dict(k) for k in d["kv"]))
 
 
-__all__ = ["StaticOptions", "LengthPlan", "KVSpec", "StaticPlan", "plan_lengths", "PLAN_VERSION"]
+__all__ = ["StaticOptions", "LengthPlan", "KVSpec", "StaticPlan", "plan_lengths", "chunk_label", "PLAN_VERSION"]

@@ -260,6 +260,12 @@ class Candidate:
     models: int
     compile_s: float
     model_bytes: int
+    bulk: tuple[int, ...] = ()  # bulk prefill chunks
+
+    @property
+    def chunks(self) -> int | list[int]:
+        """--prefill-chunk-size as a plan file states it: the chunk, or it and the bulk chunks."""
+        return [self.chunk, *self.bulk] if self.bulk else self.chunk
 
     @property
     def request_ms(self) -> float:
@@ -267,7 +273,7 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "max_prompt_len": self.prompt, "min_response_len": self.response,
-                "prefill_chunk_size": self.chunk, "variants": list(self.sizes),
+                "prefill_chunk_size": self.chunks, "variants": list(self.sizes),
                 "expected_ms": {"ttft": self.ttft_ms, "decode": self.decode_ms, "request": self.request_ms},
                 "models": self.models, "compile_s": self.compile_s, "model_bytes": self.model_bytes}
 
@@ -280,11 +286,16 @@ def lengths_for(workload: Workload, chunk: int) -> tuple[int, int]:
     return P, R
 
 
-def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int) -> float:
+def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple[int, ...] = ()) -> float:
+    """Mean prefill time: the calls the runtime makes for each prompt (`prefill_calls`)."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
     if not chunk or chunk >= P:
         return float(costs.call(P))
-    calls = -(-workload.prompts // chunk)
-    return float(np.mean(calls * costs.call(chunk)))
+    lengths, counts = np.unique(workload.prompts, return_counts=True)
+    per_length = [sum(float(costs.call(c)) for _, _, c in prefill_calls(0, int(n), (), P, (chunk, *bulk)))
+                  for n in lengths]
+    return float(np.dot(per_length, counts) / counts.sum())
 
 
 def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
@@ -303,17 +314,20 @@ def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
     return float(np.mean(total + later))
 
 
-def evaluate(name: str, workload: Workload, costs: Costs, chunk: int, variants,
+def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int, ...], variants,
              lengths: tuple[int, int] | None = None) -> Candidate:
-    P, R = lengths or lengths_for(workload, chunk)
-    L = plan_lengths(P, R, chunk if chunk < P else 0, variants)
-    models = 1 + len(L.sizes)
-    return Candidate(name, L.prompt, L.response, L.chunk, L.sizes, prefill_ms(workload, costs, L.prompt, L.chunk),
+    """`chunk`: one size, or the chunk and its bulk chunks (as --prefill-chunk-size)."""
+    sizes = chunk if isinstance(chunk, tuple) else (chunk,)
+    P, R = lengths or lengths_for(workload, sizes[0])
+    L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants)
+    models = 1 + len(L.bulk) + len(L.sizes)
+    return Candidate(name, L.prompt, L.response, L.chunk, L.sizes,
+                     prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk),
                      decode_ms(workload, costs, L.response, L.sizes), models, models * costs.compile_s,
-                     models * costs.model_bytes)
+                     models * costs.model_bytes, L.bulk)
 
 
-def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int = 0,
+def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int | tuple[int, ...] = 0,
               max_positions: int | None = None) -> dict:
     """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
     without a plan: the default chunk, and the default lengths (P 1024, R 128, P lowered to fit
@@ -334,15 +348,17 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
         if len(candidates) > MAX_VARIANT_CANDIDATES:  # sizes where requests start: quantiles of n + R
             q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
             candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
-        prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0)
-        for extra in range(0, budget.max_models - 1):
-            if not _fits(budget, costs, 2 + extra):
-                break
-            for combo in itertools.combinations(candidates, extra):
-                sizes = (*combo, top)
-                ms = prefill + decode_ms(workload, costs, R, sizes)
-                if best is None or ms < best[0] - 1e-9:
-                    best = (ms, chunk, sizes)
+        bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < P]  # one bulk chunk at most
+        for bulk in bulks:
+            prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk)
+            for extra in range(0, budget.max_models - 1 - len(bulk)):
+                if not _fits(budget, costs, 2 + len(bulk) + extra):
+                    break
+                for combo in itertools.combinations(candidates, extra):
+                    sizes = (*combo, top)
+                    ms = prefill + decode_ms(workload, costs, R, sizes)
+                    if best is None or ms < best[0] - 1e-9:
+                        best = (ms, (chunk, *bulk), sizes)
     if best is None:
         raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
     _, chunk, sizes = best
@@ -376,10 +392,17 @@ def read_plan(path: str | Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or not isinstance(data.get("lengths"), dict):
         raise UsageError(f"{path}: not a kvc plan (format {PLAN_FORMAT}; write one with kvc plan -o)")
     L = data["lengths"]
-    ints = ("max_prompt_len", "min_response_len", "prefill_chunk_size")
-    if (not all(isinstance(L.get(k), int) and not isinstance(L.get(k), bool) and L[k] >= 0 for k in ints)
+    ints = ("max_prompt_len", "min_response_len")
+    chunk = L.get("prefill_chunk_size")
+    chunk = tuple(chunk) if isinstance(chunk, list) and chunk else chunk  # the chunk and its bulk chunks
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if (not all(count(L.get(k)) for k in ints)
+            or not (count(chunk) or (isinstance(chunk, tuple) and all(count(c) for c in chunk)))
             or not isinstance(L.get("variants"), list) or not L["variants"]
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 1 for v in L["variants"])):
+            or not all(count(v) and v > 1 for v in L["variants"])):
         raise UsageError(f"{path}: malformed lengths {json.dumps(L)[:120]}")
-    plan_lengths(L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"], tuple(L["variants"]))
-    return {**{k: L[k] for k in ints}, "variants": tuple(L["variants"])}
+    plan_lengths(L["max_prompt_len"], L["min_response_len"], chunk, tuple(L["variants"]))
+    return {**{k: L[k] for k in ints}, "prefill_chunk_size": chunk, "variants": tuple(L["variants"])}

@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 
 from kvc.errors import InvalidModelError, KvcError, UsageError
+from kvc.export.manifest import model_kind, model_order
 
 TIMINGS = "timings.json"  # at the dump directory's root: the compile's phases
 VERIFICATION = "verification.json"  # at the dump directory's root: the probes' per-step numbers
 RECORD_VERSION = 1
-_BRANCH = re.compile(r"^(common|prefill|generate-\d+)$")
+_BRANCH = re.compile(r"^(common|prefill(-\d+)?|generate-\d+)$")
 _PASS_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 DIFF_LINES = 4000  # per pass in the page; longer diffs are cut, with the file to read named
 
@@ -234,12 +235,11 @@ def read_branch(path: Path) -> Branch:
 
 
 def branch_order(name: str):
-    """common, prefill, then the generate variants by size."""
+    """common, then the models in `model_order`."""
     if name == "common":
-        return (0, 0)
-    if name == "prefill":
-        return (1, 0)
-    return (2, int(name.split("-", 1)[1]))
+        return (0, False, 0)
+    kind, size = model_kind(name)
+    return (1, kind == "generate", size or 0)
 
 
 def read_dumps(dumps: Path) -> list[Branch]:
@@ -287,11 +287,6 @@ def _probe_ok(r) -> bool:
         return False
     return (all(_finite_or_none(v) for v in r["error"] + r["margin"])
             and all(isinstance(v, bool) for v in r["same_token"]))
-
-
-def model_order(names) -> list[str]:
-    """prefill, then the generate variants by size."""
-    return sorted(names, key=lambda n: branch_order(n))
 
 
 def collect(directory: str | Path, *, dumps: str | Path | None = None, record: dict | None = None,

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from kvc import __version__
 from kvc.errors import InvalidModelError, OutputError
-from kvc.report.collect import Branch, ReportData, collect, model_order
+from kvc.export.manifest import model_order
+from kvc.plan import chunk_label
+from kvc.report.collect import Branch, ReportData, collect
 from kvc.report.svg import bars_svg, steps_svg, subgraph_svg
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
@@ -159,7 +161,7 @@ def _plan(d: ReportData) -> str:
     plan = d.manifest["plan"]
     L = plan["lengths"]
     lengths = _table(["prompt P", "response R", "prefill chunk", "capacity", "tokens per step", "generate variants"],
-                     [[L.get("max_prompt_len"), L.get("min_response_len"), L.get("prefill_chunk_size") or "none",
+                     [[L.get("max_prompt_len"), L.get("min_response_len"), chunk_label(L),
                        L.get("capacity"), L.get("tokens_per_step"), ", ".join(map(str, L.get("generate_sizes", [])))]])
     notes = "".join(f"<li>{_t(n)}</li>" for n in L.get("adjustments", []))
     options = _table(["option", "value"], sorted(plan.get("options", {}).items()))

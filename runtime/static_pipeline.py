@@ -2,7 +2,9 @@
 
 * Prefill is right-aligned (left-padded): a prompt of n ≤ P tokens sits in the last n slots;
   its valid cache rows are `present[P-n:P]`. Chunked prefill feeds C tokens at a time with
-  a past of P - C slots; a partial last chunk is left-padded the same way.
+  a past of P - C slots; a partial last chunk is left-padded the same way. With bulk chunks
+  (prefill models of B > C tokens, past P - B) a long prompt takes fewer calls: the split
+  minimizes the rows computed plus CALL_ROWS per call (`prefill_calls`).
 * One KV buffer per cache tensor, sized for the largest variant; every variant reads a
   prefix of it (the past is left-aligned: rows `[0:num_stored]` are valid), so switching
   variants copies nothing.
@@ -80,11 +82,15 @@ class StaticPipeline:
     """Drives one prefill session and generate sessions by size over one shared KV buffer."""
 
     def __init__(self, prefill: Session, generate: dict[int, Session], plan: StaticPlan, pad_token: int = 0,
-                 vocab: int | None = None):
-        lengths = plan.lengths
+                 vocab: int | None = None, bulk: dict[int, Session] | None = None):
+        lengths, bulk = plan.lengths, bulk or {}
         if sorted(generate) != sorted(lengths.sizes):
             raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(lengths.sizes)}")
+        if sorted(bulk) != list(lengths.bulk):
+            raise UsageError(f"bulk prefill sessions {sorted(bulk)} do not match the plan's bulk chunks "
+                             f"{list(lengths.bulk)}")
         self.prefill, self.generate_sessions, self.plan = prefill, generate, plan
+        self.prefill_sessions = {lengths.chunk: prefill, **bulk}  # by chunk size (0: unchunked)
         self.lengths, self.kv = lengths, plan.kv
         self.pad_token, self.vocab = pad_token, vocab  # vocab: token ids are checked against it when known
         # Held as the sessions take them: a bf16 cache is f32 holding bf16 values for kvc's
@@ -95,7 +101,7 @@ class StaticPipeline:
         # once, here): a step copies only its new rows, never the cache.
         pasts = [(s, size - lengths.tokens) for size, s in generate.items()]
         if lengths.chunk:
-            pasts.append((prefill, lengths.prompt - lengths.chunk))
+            pasts += [(session, lengths.prompt - size) for size, session in self.prefill_sessions.items()]
         for session, rows in pasts:
             for spec in self.kv:
                 session.bind(spec.input, self.buffers[spec.input], rows, spec.seq_axis)
@@ -155,21 +161,22 @@ class StaticPipeline:
             logits = out["logits"][0]
             return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
         rows = []
-        for begin, end in computed_spans(start, n, skip, C):
+        for begin, end, size in prefill_calls(start, n, skip, P, (C, *self.lengths.bulk)):
+            session = self.prefill_sessions[size]
             chunk = prompt[begin:end]
             k, stored = len(chunk), begin  # every row before `begin` is in place
-            ids = np.full((1, C), self.pad_token, np.int64)
-            ids[0, C - k:] = chunk
+            ids = np.full((1, size), self.pad_token, np.int64)
+            ids[0, size - k:] = chunk
             mask = np.zeros((1, P), np.int64)
             mask[0, :stored] = 1
             mask[0, P - k:] = 1
-            pos = np.zeros((1, C), np.int64)
-            pos[0, C - k:] = np.arange(stored, stored + k)
-            out = self.prefill.infer(self.step_feed(self.prefill, ids, mask, pos))
+            pos = np.zeros((1, size), np.int64)
+            pos[0, size - k:] = np.arange(stored, stored + k)
+            out = session.infer(self.step_feed(session, ids, mask, pos))
             for spec in self.kv:
-                self._store(spec, out[spec.output], stored, slice(C - k, C))
+                self._store(spec, out[spec.output], stored, slice(size - k, size))
             logits = out["logits"][0]
-            rows.append(logits[C - k:] if logits.shape[0] == C else None)
+            rows.append(logits[size - k:] if logits.shape[0] == size else None)
         prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
@@ -311,14 +318,45 @@ class StaticPipeline:
             gen.step_seconds.append(time.perf_counter() - started)
 
 
-def computed_spans(start: int, n: int, skip, chunk: int):
-    """The (begin, end) chunk calls that compute positions `[start, n)` except the `skip`
-    spans (sorted, disjoint): each gap in chunks of at most `chunk` tokens."""
+# What a prefill call costs beyond its rows, in rows: a pass over the weights. Measured on the
+# 250M Llama at bf16 (docs/benchmarks.md): a 64-token call 61 ms, a 512-token one 299 ms, so
+# 27 ms + 0.53 ms a row, the fixed part worth 51 rows.
+CALL_ROWS = 64
+
+
+def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, ...]):
+    """The prefill calls (begin, end, chunk size) that compute positions `[start, n)` but the
+    `skip` spans (sorted, disjoint), gap by gap. A call of chunk c from position s computes
+    `[s, min(s + c, gap end))` over a past of P - c slots, so it must start at s <= P - c.
+    Each gap takes the split with the least rows computed (padding included) plus CALL_ROWS
+    a call; a tie goes to the smaller chunk first, so a bulk call reads the rows the smaller
+    ones wrote. A gap whose start no call can take (a restored history ending within the
+    last chunk before P) starts at the multiple of the smallest chunk below it instead,
+    computing again the rows from there."""
     begin = start
     for a, b in (*skip, (n, n)):
-        for at in range(begin, a, chunk):
-            yield at, min(at + chunk, a)
+        if begin < a:
+            yield from _gap_calls(begin, a, prompt_len, chunks)
         begin = b
+
+
+def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...]):
+    C = chunks[0]  # the others are multiples of it: every call but a gap's last ends on g0 + k * C
+    for first in (g0, g0 - g0 % C):
+        cost, choice = {g1: 0}, {}
+        for s in reversed(range(first, g1, C)):
+            cost[s] = float("inf")
+            for c in chunks:
+                end = min(s + c, g1)
+                if s <= P - c and CALL_ROWS + c + cost[end] < cost[s]:
+                    cost[s], choice[s] = CALL_ROWS + c + cost[end], c
+        if cost[first] < float("inf"):
+            break
+    s = first
+    while s < g1:
+        c = choice[s]
+        yield s, min(s + c, g1), c
+        s = min(s + c, g1)
 
 
 @dataclass

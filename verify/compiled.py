@@ -22,7 +22,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     one of 33 tokens without (at most P), `tokens` new tokens each (at most what fits). The
     second prompt runs a full chunk and then a partial one over a real past, so the prefill's
     reading of its past is checked, not only its first chunk (with 7 and 33 tokens at the
-    default chunk of 64, a prefill that ignored its past passed). An unchunked prefill has one
+    default chunk of 64, a prefill that ignored its past passed); with bulk chunks, one of B + 9
+    for each bulk chunk B, which `prefill_calls` splits into a chunk C and a call of B over
+    its past (the split costs the same either way round; a tie puts the small chunk first).
+    An unchunked prefill has one
     path, a padded prompt over no past, which 7 tokens would run again: on kvc's numpy runtime
     each run is a full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU compile's
     numpy check).
@@ -39,6 +42,7 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     rng = np.random.default_rng(seed)
     cases = []
     lengths = {min(plan.prompt, 7), min(plan.prompt, plan.chunk + 9)} if plan.chunk else {min(plan.prompt, 33)}
+    lengths |= {min(plan.prompt, bulk + 9) for bulk in plan.bulk}  # a chunk C, then bulk B over its past
     for length in sorted(lengths):
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(tokens, max_new_tokens(plan, length))))
     first = next((s for s in plan.sizes[:-1] if s - plan.tokens >= 2), None)
@@ -114,7 +118,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         prefilled.append((run, pipe.copy_rows(0, len(prompt))))
         if on_step is not None:
             on_step(i, steps)
-    pipe.prefill.release()
+    for session in pipe.prefill_sessions.values():
+        session.release()
     rows = []
     for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):
         for buffer in pipe.buffers.values():

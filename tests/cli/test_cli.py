@@ -45,13 +45,41 @@ def test_compile_summary_and_outputs(compiled):
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     """auto: the CPU's measured chunk for the blobs' arithmetic (bench/ttft.py: 32 at f32, 64 at
     bf16; by default the host's own precision) when compiling for CPU only, else the whole
-    prompt at once, as NPUW does by default; an explicit size always wins."""
+    prompt at once, as NPUW does by default; an explicit size always wins. The CPU's bulk chunk
+    of 512 is dropped at P 128 (with a note), kept at P 1024."""
     if chunk == "host":
         host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
         chunk = 64 if host in ("bf16", "f16") else 32
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--max-prompt-len", "128",
                  "--min-response-len", "64", "--no-verify", "--json", *args)
-    assert json.loads(result.stdout)["plan"]["lengths"]["prefill_chunk_size"] == chunk
+    lengths = json.loads(result.stdout)["plan"]["lengths"]
+    assert lengths["prefill_chunk_size"] == chunk and lengths["prefill_bulk_chunks"] == []
+    auto = "--prefill-chunk-size" not in args and "NPU" not in args
+    assert any("prefill bulk chunk 512 dropped" in a for a in lengths["adjustments"]) == auto
+    if auto and not args:
+        result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
+                     "--min-response-len", "64", "--no-verify", "--json")
+        lengths = json.loads(result.stdout)["plan"]["lengths"]
+        assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (chunk, [512])
+
+
+def test_bulk_prefill_chunks_compile_verify_and_run(tmp_path):
+    """--prefill-chunk-size 16,32: a prefill model per size, verified (a probe of 32 + 9 tokens
+    runs the bulk model over a chunk's rows), listed, and run with the golden tokens."""
+    out = tmp_path / "o"
+    text = kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--prefill-chunk-size", "16,32").output
+    assert "chunk=16 + bulk 32" in text and "verification: prompt of 41 tokens" in text
+    assert re.search(r"^prefill-32 +1x32 +1x64 +1x2x32x16 ", text, re.M), text
+    golden = fixtures.goldens("llama")["prompts"][2]  # 54 tokens: a chunk, then bulk calls
+    data = json.loads(kvc("run", out, "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "8",
+                          "--json").stdout)
+    assert data["tokens"] == golden["tokens"]["openvino"][:8]
+
+
+@pytest.mark.parametrize("value, says", [("16,48", "power of two, got 16,48"), ("16,x", "sizes like 64,512"),
+                                         ("0,64", "0 (the whole prompt at once) cannot be combined")])
+def test_bad_prefill_chunk_sizes_are_usage_errors(tmp_path, value, says):
+    assert says in kvc("compile", "-o", tmp_path / "x", *SMALL, "--prefill-chunk-size", value, code=2).output
 
 
 def test_compile_json_is_the_manifest(tmp_path):

@@ -238,6 +238,17 @@ def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_compile_verification_reads_the_bulk_prefill_past(tmp_path, monkeypatch):
+    """With a bulk chunk B a probe of B + 9 tokens runs a chunk and then the bulk model over its
+    rows: a bulk model that misreads its past is caught, which the probes of 7 and C + 9 tokens
+    (a bulk call over an empty past at 25 tokens, chunks only at 7) never reach."""
+    _fault_in(monkeypatch, "prefill-64", HalvePastValues())
+    options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64))
+    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
+    assert not (tmp_path / "out").exists()
+
+
 def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
     """The switch probe starts a prompt of T1 - 2 tokens on the smallest variant T1 (80) and
     runs into the next: a fault in how that variant reads its last rows is caught, which the

@@ -265,3 +265,44 @@ def test_without_rotate_half_rope_the_blob_check_refuses_gpt_oss(tmp_path):
                  "--passes", "lift-state,dense-experts", code=4)
     assert "the CPU blobs do not reproduce the static IR" in result.output
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def bulky(tmp_path_factory, source):
+    """A directory with a bulk prefill model: chunks of 16, bulk 32 (P 64)."""
+    out = tmp_path_factory.mktemp("trust") / "bulk"
+    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--no-verify")
+    return out
+
+
+def _rename_model(models, old, new):
+    models[new] = models.pop(old)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda m: m["models"].pop("prefill-32"),
+     "the bulk prefill models are not the plan's bulk chunks (expected [32], found [])"),
+    (lambda m: _rename_model(m["models"], "prefill-32", "prefill-032"), "unknown model name 'prefill-032'"),
+    (lambda m: m["plan"]["lengths"].update(prefill_bulk_chunks=[16]),
+     "malformed plan: ValueError: bulk chunks [16] must lie between the chunk 16 and P 64"),
+    (lambda m: m["plan"]["lengths"].update(prefill_bulk_chunks=[32, "64"]),
+     "malformed plan: ValueError: prefill_bulk_chunks must be increasing integers"),
+    (lambda m: next(p for p in m["models"]["prefill-32"]["inputs"] if p["name"] == "past_key_values.0.value")
+     .update(shape=[1, 2, 48, 16]), "model 'prefill-32''s input 'past_key_values.0.value' does not match the plan's "
+                                   "KV layout (expected f16 [1, 2, 32, 16]"),
+])
+def test_a_manifest_whose_bulk_prefill_disagrees_with_its_plan_is_refused(bulky, tmp_path, damage, message):
+    out = tmp_path / "out"
+    shutil.copytree(bulky, out)
+    m = json.loads((out / MANIFEST).read_text())
+    damage(m)
+    (out / MANIFEST).write_text(dumps(m))
+    assert message in run(out, code=3).output
+
+
+def test_a_manifest_from_before_bulk_chunks_still_opens(compiled):
+    """Manifests written before bulk chunks have no prefill_bulk_chunks: none."""
+    m = json.loads((compiled / MANIFEST).read_text())
+    assert m["plan"]["lengths"].pop("prefill_bulk_chunks") == []
+    (compiled / MANIFEST).write_text(dumps(m))
+    assert "generated (4 tokens)" in run(compiled).output

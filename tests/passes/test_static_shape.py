@@ -56,6 +56,23 @@ def test_plan_chunk_rules():
         plan_lengths(64, 64, chunk=128)
 
 
+def test_plan_bulk_chunk_rules():
+    """Several sizes: the smallest is the chunk (P aligned to it), the larger ones bulk chunks,
+    each below P (else dropped, said); all powers of two, and 0 alone."""
+    L = plan_lengths(1000, 64, chunk=(512, 64))
+    assert (L.prompt, L.chunk, L.bulk) == (1024, 64, (512,)) and L.to_dict()["prefill_bulk_chunks"] == [512]
+    L = plan_lengths(256, 64, chunk=(64, 256, 128))
+    assert (L.chunk, L.bulk) == (64, (128,)) and L.notes == ("prefill bulk chunk 256 dropped: not below the max "
+                                                               "prompt length 256",)
+    L = plan_lengths(None, None, chunk=(64, 512), max_positions=256)  # P lowered to 128: no room for the bulk
+    assert (L.prompt, L.chunk, L.bulk) == (128, 64, ())
+    with pytest.raises(UsageError, match="power of two, got 64,96"):
+        plan_lengths(256, 64, chunk=(64, 96))
+    with pytest.raises(UsageError, match="cannot be combined"):
+        plan_lengths(256, 64, chunk=(0, 64))
+    assert plan_lengths(256, 64, chunk=(64,)).bulk == ()
+
+
 # The NPU plugin's own sizes, from its rule (npuw/llm_compiled_model.cpp,
 # create_generate_model_variants: 1024 * 2^k + R while <= P + R, then P + R), after its
 # alignments (P and R up to 64, P up to the chunk).

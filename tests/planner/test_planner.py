@@ -52,6 +52,24 @@ def test_prefill_costs_chunk_calls():
     assert prefill_ms(w, STEEP, 256, 0) == pytest.approx(88.0)  # one call of P tokens whatever the prompt
 
 
+def test_prefill_costs_follow_the_runtimes_bulk_calls():
+    """With a bulk chunk the model counts the calls the runtime makes (prefill_calls): 1000
+    tokens at P 1024 are two bulk calls of 512, 100 tokens two chunks of 64."""
+    w = Workload(np.array([1000, 100]), np.array([1, 1]))
+    assert prefill_ms(w, STEEP, 1024, 64, (512,)) == pytest.approx((2 * float(STEEP.call(512)) + 2 * 40.0) / 2)
+
+
+def test_mixed_lengths_get_a_bulk_chunk_when_the_budget_allows_it():
+    """Short chats and long documents: with room for a third model the plan adds a bulk chunk
+    above a small one (each call pays a weight pass), and expects less than with two models;
+    the plan file states both sizes and compile reads them."""
+    w = Workload(np.array([20] * 50 + [1000] * 50), np.array([16] * 100))
+    two, three = (best_plan(w, FLAT, Budget(max_models=m))["plan"] for m in (2, 3))
+    assert not two.bulk and three.bulk and three.chunk < three.bulk[0] and three.models == 3
+    assert three.request_ms < two.request_ms
+    assert three.to_dict()["prefill_chunk_size"] == [three.chunk, *three.bulk]
+
+
 def test_long_documents_get_a_large_chunk_and_chat_turns_a_small_one():
     docs = workload(1, 100, (600, 1900), (50, 200))
     chat = workload(2, 100, (10, 120), (20, 100))
@@ -128,6 +146,21 @@ def test_malformed_costs_and_plans_are_refused(tmp_path):
     bad.write_text("{}")
     with pytest.raises(UsageError, match="not a kvc plan"):
         read_plan(bad)
+    for chunk in ([16, "x"], [], [16, -32]):
+        bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
+            "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": chunk, "variants": [128]}}))
+        with pytest.raises(UsageError, match="malformed lengths"):
+            read_plan(bad)
+
+
+def test_compile_takes_bulk_chunks_from_a_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
+        "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": [16, 32], "variants": [128]}}))
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--plan", plan, "--no-verify")
+    assert "chunk 16 + 32" in result.output and "chunk=16 + bulk 32" in result.output
+    lengths = json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]["lengths"]
+    assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (16, [32])
 
 
 def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
@@ -156,7 +189,9 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     out = tmp_path / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, "--plan", plan, "--no-verify")
     lengths = json.loads((out / "manifest.json").read_text())["plan"]["lengths"]
-    assert (lengths["max_prompt_len"], lengths["min_response_len"], lengths["prefill_chunk_size"],
+    chunks = ([lengths["prefill_chunk_size"], *lengths["prefill_bulk_chunks"]] if lengths["prefill_bulk_chunks"]
+              else lengths["prefill_chunk_size"])
+    assert (lengths["max_prompt_len"], lengths["min_response_len"], chunks,
             lengths["generate_sizes"]) == (L["max_prompt_len"], L["min_response_len"], L["prefill_chunk_size"],
                                            L["variants"])
     conflict = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o2", "--plan", plan, "--max-prompt-len",

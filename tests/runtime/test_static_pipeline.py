@@ -18,11 +18,13 @@ from kvc.runtime.session import NPUW_CPU_CONFIG, NumpySession, OpenVINOSession, 
 from kvc.runtime.static_pipeline import CapacityError, PromptTooLongError, StaticPipeline
 from tests.conftest import fixture_names
 
-P, C, R = 64, 16, 32
+P, C, B, R = 64, 16, 32, 32
 LENGTHS = (1, C - 1, C, C + 1, P - 1, P)
 CONFIGS = {
     "whole": StaticOptions(max_prompt_len=P, min_response_len=R, slice_logits=False),
     "chunked": StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=C, variants=(80,)),
+    # a bulk chunk of B: prompts of C + 1 and more run in calls of B
+    "bulk": StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=(C, B), variants=(80,)),
 }
 
 
@@ -36,7 +38,7 @@ def pipeline(name: str, config: str, backend: str) -> StaticPipeline:
     make = {"numpy": NumpySession, "openvino": OpenVINOSession,
             "npu": lambda m: OpenVINOSession(m, "NPU", NPUW_CPU_CONFIG)}[backend]
     return StaticPipeline(make(sm.models["prefill"]), {s: make(sm.models[n]) for s, n in sm.generate_names.items()},
-                          sm.plan)
+                          sm.plan, bulk={b: make(sm.models[f"prefill-{b}"]) for b in sm.plan.lengths.bulk})
 
 
 def prompts(seed: int = 0):
@@ -73,6 +75,97 @@ def test_npu_plugin_backend_agrees(name):
     for prompt, ref in zip(prompts(), reference(name)):
         verdict = judge(ref, pipe.generate(prompt, 24), reduced=True)
         assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
+
+
+class CountingSession:
+    """A session that records the tokens of each call (non-padding ids) and its past rows."""
+
+    def __init__(self, inner, log, name):
+        self.inner, self.log, self.name = inner, log, name
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def infer(self, inputs):
+        mask = inputs["attention_mask"][0]
+        rows = inputs["input_ids"].shape[1]
+        self.log.append((self.name, int(mask[:len(mask) - rows].sum()), int(mask[len(mask) - rows:].sum())))
+        return self.inner.infer(inputs)
+
+
+def test_long_prompts_run_in_bulk_calls_over_the_rows_before_them():
+    """With chunks of 16 and a bulk chunk of 32 (P 64): a prompt of 33 tokens runs a chunk of
+    16 then a bulk call of 17 over those 16 rows (the split costs the same either way round;
+    the small chunk goes first, so the bulk model reads a real past), one of 64 two bulk
+    calls, one of 20 a bulk call (cheaper than two chunks: a call costs CALL_ROWS = 64 rows
+    beyond its own), one of 10 a chunk; each gives the stateful model's tokens."""
+    sm = static_models("llama", "bulk")
+    log = []
+    pipe = StaticPipeline(CountingSession(NumpySession(sm.models["prefill"]), log, "prefill"),
+                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan,
+                          bulk={B: CountingSession(NumpySession(sm.models[f"prefill-{B}"]), log, f"prefill-{B}")})
+    session = open_session(fixtures.path("llama"), "numpy")
+    rng = np.random.default_rng(3)
+    for n, calls in ((33, [("prefill", 0, 16), ("prefill-32", 16, 17)]),
+                     (64, [("prefill-32", 0, 32), ("prefill-32", 32, 32)]),
+                     (20, [("prefill-32", 0, 20)]), (10, [("prefill", 0, 10)])):
+        log.clear()
+        prompt = rng.integers(1, 384, n)
+        got = pipe.generate(prompt, 6)
+        assert log == calls, n
+        assert judge(greedy(session, prompt, 6), got).ok, n
+
+
+def test_prefill_calls_are_the_cheapest_valid_split():
+    """Every split covers exactly the positions to compute, each call starts where its model's
+    past reaches (s <= P - c), and no other split of the same positions costs less."""
+    import itertools
+
+    from kvc.runtime.static_pipeline import CALL_ROWS, prefill_calls
+
+    def cost(calls):
+        return sum(CALL_ROWS + c for _, _, c in calls)
+
+    def brute(start, n, P, chunks):  # every sequence of chunk sizes, each call valid
+        best = None
+        for k in range(1, -(-(n - start) // chunks[0]) + 1):
+            for sizes in itertools.product(chunks, repeat=k):
+                s, calls = start, []
+                for c in sizes:
+                    if s >= n or s > P - c:
+                        break
+                    calls.append((s, min(s + c, n), c))
+                    s = min(s + c, n)
+                if s == n and len(calls) == k and (best is None or cost(calls) < cost(best)):
+                    best = calls
+        return best
+
+    for P, chunks in ((64, (16,)), (64, (16, 32)), (128, (16, 64)), (128, (16, 32, 64))):
+        for start, n in ((0, 1), (0, 17), (0, 33), (0, 50), (0, P), (16, P), (32, 50)):
+            calls = list(prefill_calls(start, n, (), P, chunks))
+            assert [b for b, _, _ in calls[1:]] == [e for _, e, _ in calls[:-1]], (P, chunks, start, n)
+            assert calls[0][0] == start and calls[-1][1] == n
+            assert all(b <= P - c and e - b <= c for b, e, c in calls)
+            assert cost(calls) == cost(brute(start, n, P, chunks)), (P, chunks, start, n, calls)
+    # skipped spans are not computed; a gap takes bulk calls too
+    calls = list(prefill_calls(0, 64, ((16, 32),), 64, (16, 32)))
+    assert calls == [(0, 16, 16), (32, 64, 32)]
+
+
+def test_restored_rows_ending_in_the_last_chunk_still_give_the_whole_prefills_tokens():
+    """A chat session's history can end anywhere: with P 64 and chunks of 16, 50 restored rows
+    leave positions 50..63, which a chunk started at 50 cannot take (its past holds 48 rows:
+    the call read pad slots as the history and the tokens came out wrong). The prefill starts
+    at 48 instead, computing two restored rows again."""
+    for config in ("chunked", "bulk"):
+        pipe = pipeline("llama", config, "numpy")
+        prompt = np.random.default_rng(4).integers(1, 384, P)
+        whole = pipe.generate(prompt, 4)
+        rows = pipe.copy_rows(0, 50)
+        pipe.restore_rows(rows, 0)
+        got = pipe.generate(prompt, 4, reuse=50)
+        assert got.tokens == whole.tokens, config
+        np.testing.assert_allclose(np.array(got.logits), np.array(whole.logits), atol=1e-5)
 
 
 def test_variant_switch_happens_when_the_smaller_one_fills():
