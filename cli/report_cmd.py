@@ -6,8 +6,6 @@ from pathlib import Path
 
 import click
 
-from kvc.cli.options import progress
-
 
 @click.command("report")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))

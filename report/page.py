@@ -190,7 +190,7 @@ def _models(d: ReportData) -> str:
         ports.append(f"<details><summary>{_t(name)}: {len(entry['inputs'])} inputs, {len(entry['outputs'])} "
                      f"outputs</summary>{_table(['', 'name', 'element type', 'shape'], port_rows)}</details>")
     weights = m["files"].get(m["weights"], {}).get("bytes")
-    return (f'<section id="models"><h2>Models and blobs</h2>'
+    return ('<section id="models"><h2>Models and blobs</h2>'
             + _table(["model", "IR", "input_ids", "attention_mask", "past KV", "blobs"], rows)
             + f"<p>All models read one <code>{_t(m['weights'])}</code>"
             + (f" ({_t(_bytes(weights))})" if isinstance(weights, int) else "") + ".</p>"
