@@ -19,7 +19,7 @@ from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.compile import device_config
 from kvc.export.mapped import pages_released
 from kvc.export.manifest import check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest
-from kvc.ir.reader import core, load
+from kvc.ir.reader import core, load, map_weights
 from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session, backend_dtype
 from kvc.runtime.static_pipeline import StaticPipeline
 
@@ -29,9 +29,10 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
-             sweep: bool = False) -> Session:
+             sweep: bool = False, mapped: ov.Tensor | None = None) -> Session:
     """One model's session; `sweep`: page out weights.bin as a blob import reads it (an open's
-    imports after its first: export/mapped.py)."""
+    imports after its first: export/mapped.py); `mapped`: weights.bin as `map_weights` mapped
+    it, shared by the models read from their IR."""
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
     device = _DEVICE.get(backend)
@@ -49,11 +50,11 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
             raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
         check_ports(directory, name, entry, compiled.inputs, compiled.outputs)
         return OpenVINOSession(compiled, device)
-    model = load(directory / entry["xml"], weights=weights)
+    model = load(directory / entry["xml"], weights=weights, mapped=mapped)
     check_ports(directory, name, entry, model.inputs, model.outputs)
-    if backend == "numpy":
-        return NumpySession(model)
-    return OpenVINOSession(model, device, _ir_config(blob, device))
+    session = NumpySession(model) if backend == "numpy" else OpenVINOSession(model, device, _ir_config(blob, device))
+    session.weights_mapping = mapped  # the model's constants point into it: it must live as long as they do
+    return session
 
 
 def _ir_config(blob: dict | None, device: str) -> dict:
@@ -132,7 +133,11 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
                          f"plugin does not take (its requests want f16); compile it again with --kv-precision f16 "
                          f"(or --device CPU,NPU) to run it on the NPU")
 
-    made = []
+    made, prefills = [], []  # lazy prefill sessions: one imported at a time
+    # models read from their IR share one mapping of weights.bin (`map_weights`)
+    device = _DEVICE.get(backend)
+    reads_ir = device is None or from_ir or any(device not in m["blobs"] for m in manifest["models"].values())
+    mapped = map_weights(directory / manifest["weights"]) if reads_ir else None
 
     def session(name: str):
         sweep = bool(made)  # the first import leaves weights.bin in the page cache for the others
@@ -140,8 +145,10 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
-            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir, sweep), dtypes, backend)
-        return _session(directory, manifest, name, backend, from_ir, sweep)
+            group = prefills if model_kind(name)[0] == "prefill" else None
+            return LazySession(lambda: _session(directory, manifest, name, backend, from_ir, sweep, mapped), dtypes,
+                               backend, group)
+        return _session(directory, manifest, name, backend, from_ir, sweep, mapped)
 
     generate, bulk = {}, {}
     for name in manifest["models"]:
@@ -161,12 +168,17 @@ class LazySession:
     """A session imported at its first inference and dropped by `release` (imported again if
     run again); its buffer bindings are kept across. `kvc compile` checks its blobs with these
     so that prefill and generate models need not be in memory together: each import maps the
-    weights file and packs the weights anew."""
+    weights file and packs the weights anew. The prefill models (the chunk's and the bulk
+    chunks') form a group of which one at a time is imported: a probe that runs a chunk and
+    then a bulk call holds one prefill blob, not two (+700 MB for the 250M model)."""
 
-    def __init__(self, make, input_dtypes: dict[str, np.dtype], backend: str):
+    def __init__(self, make, input_dtypes: dict[str, np.dtype], backend: str, group: list | None = None):
         self._make, self._dtypes, self.backend = make, dict(input_dtypes), backend
         self._session: Session | None = None
         self._bindings: dict[str, tuple] = {}
+        self._group = group  # sessions of which at most one is imported: importing this one releases the others
+        if group is not None:
+            group.append(self)
 
     @property
     def input_names(self) -> list[str]:
@@ -185,6 +197,9 @@ class LazySession:
 
     def _opened(self) -> Session:
         if self._session is None:
+            for other in self._group or ():
+                if other is not self:
+                    other.release()
             self._session = self._make()
             for name, args in self._bindings.items():
                 self._session.bind(name, *args)
