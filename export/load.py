@@ -133,7 +133,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
                          f"plugin does not take (its requests want f16); compile it again with --kv-precision f16 "
                          f"(or --device CPU,NPU) to run it on the NPU")
 
-    made, prefills = [], []  # lazy prefill sessions: one imported at a time
+    made = []
     # models read from their IR share one mapping of weights.bin (`map_weights`)
     device = _DEVICE.get(backend)
     reads_ir = device is None or from_ir or any(device not in m["blobs"] for m in manifest["models"].values())
@@ -145,9 +145,8 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
-            group = prefills if model_kind(name)[0] == "prefill" else None
             return LazySession(lambda: _session(directory, manifest, name, backend, from_ir, sweep, mapped), dtypes,
-                               backend, group)
+                               backend)
         return _session(directory, manifest, name, backend, from_ir, sweep, mapped)
 
     generate, bulk = {}, {}
@@ -168,17 +167,12 @@ class LazySession:
     """A session imported at its first inference and dropped by `release` (imported again if
     run again); its buffer bindings are kept across. `kvc compile` checks its blobs with these
     so that prefill and generate models need not be in memory together: each import maps the
-    weights file and packs the weights anew. The prefill models (the chunk's and the bulk
-    chunks') form a group of which one at a time is imported: a probe that runs a chunk and
-    then a bulk call holds one prefill blob, not two (+700 MB for the 250M model)."""
+    weights file and packs the weights anew."""
 
-    def __init__(self, make, input_dtypes: dict[str, np.dtype], backend: str, group: list | None = None):
+    def __init__(self, make, input_dtypes: dict[str, np.dtype], backend: str):
         self._make, self._dtypes, self.backend = make, dict(input_dtypes), backend
         self._session: Session | None = None
         self._bindings: dict[str, tuple] = {}
-        self._group = group  # sessions of which at most one is imported: importing this one releases the others
-        if group is not None:
-            group.append(self)
 
     @property
     def input_names(self) -> list[str]:
@@ -197,9 +191,6 @@ class LazySession:
 
     def _opened(self) -> Session:
         if self._session is None:
-            for other in self._group or ():
-                if other is not self:
-                    other.release()
             self._session = self._make()
             for name, args in self._bindings.items():
                 self._session.bind(name, *args)
