@@ -14,9 +14,9 @@ exports it), with kvc's defaults and nothing tuned:
                from OUT's CPU blobs (generate(prompt, 1)) against the stateful model on CPU
   decode       ms per generated token after a 512-token prompt, 32 steps: kvc's pipeline from
                OUT's CPU blobs (the default precision: the plugin's own, bf16 where the host
-               has it) against the stateful model at the plugin's defaults; then, tuned and said
-               so, OUT compiled with --inference-precision f32 against the stateful model at f32
-               (INFERENCE_PRECISION_HINT f32)
+               has it) against the stateful model at the plugin's defaults; then, for TTFT and
+               decode, tuned and said so, OUT compiled with --inference-precision f32 against
+               the stateful model at f32 (INFERENCE_PRECISION_HINT f32)
 
 TTFT and decode run each engine alone in a fresh process, as a user runs it (an engine compiled
 first in a process that holds two ran slower here), kvc's process and the peer's back to back.
@@ -258,7 +258,7 @@ def serve(engine: str, model: Path, out: Path) -> dict:
         first = lambda prompt: stateful_generate(compiled, prompt, 1)[0]  # noqa: E731
         steps = lambda prompt, n: stateful_generate(compiled, prompt, n)[1]  # noqa: E731
     rng, ttft = np.random.default_rng(0), {}
-    for n in PROMPTS if not engine.endswith("f32") else ():
+    for n in PROMPTS:
         prompt = rng.integers(1, 32000, n).astype(np.int64)
         first(prompt)  # warm-up, not counted
         ttft[str(n)] = statistics.median(first(prompt) for _ in range(3))
@@ -274,7 +274,7 @@ def measure_serving(model: Path, tmp: Path, reps: int, only: list[str]) -> list[
     the engine compiled first ran slower here (two copies of the stateful model: 6%; kvc's
     pipeline opened before the stateful model: decode 1.22x, after it: 1.04x, alone: 1.03x)."""
     pairs = [("kvc", "stateful", tmp / "compile-CPU-0", "defaults")]
-    if "decode" in only:
+    if "decode" in only or "ttft" in only:
         run_child("kvc-compile-f32", model, tmp / "compile-CPU-f32")
         pairs.append(("kvc-f32", "stateful-f32", tmp / "compile-CPU-f32", "tuned: --inference-precision f32"))
     rows = []
@@ -290,9 +290,11 @@ def measure_serving(model: Path, tmp: Path, reps: int, only: list[str]) -> list[
                     "peer_s": statistics.median(get(r) for r in theirs),
                     "ratio": statistics.median(get(a) / get(b) for a, b in zip(ours, theirs))}
 
-        if "ttft" in only and ours_kind == "kvc":
-            rows += [row("ttft", f"TTFT, {n}-token prompt", "stateful model on CPU (defaults)",
-                         lambda r, n=n: r["ttft_s"][str(n)]) for n in PROMPTS]
+        if "ttft" in only:
+            what, peer = (("TTFT", "stateful model on CPU (defaults)") if ours_kind == "kvc" else
+                          (f"TTFT ({label})", "stateful model on CPU at f32"))
+            rows += [row("ttft", f"{what}, {n}-token prompt", peer, lambda r, n=n: r["ttft_s"][str(n)])
+                     for n in PROMPTS]
         if "decode" in only:
             blob = json.loads((out / "manifest.json").read_text())
             precision = blob["models"]["prefill"]["blobs"]["CPU"]["import_config"]["INFERENCE_PRECISION_HINT"]

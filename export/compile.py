@@ -89,8 +89,9 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # cheaper a token's arithmetic, the larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x,
 # 64: 3.11x; the whole 1024-token prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x;
 # 32: 2.61x, 128: 3.15x). The bulk chunk of 512 takes long prompts in fewer passes over the
-# weights (bf16, each engine in its own process: 512 tokens 1.85x -> 1.10x, 1000 tokens 1.75x
-# -> 1.09x, bench/default_path.py); it is dropped where P is not above it.
+# weights (each engine in its own process, bench/default_path.py; bf16: 512 tokens 1.85x ->
+# 1.10-1.14x, 1000 tokens 1.75x -> 1.04-1.08x; f32: 1.69x -> 0.92x, 1.48x -> 0.85x); it is
+# dropped where P is not above it.
 CPU_CHUNK = {"f32": (32, 512), "bf16": (64, 512), "f16": (64, 512)}
 
 

@@ -25,16 +25,16 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     one of 33 tokens without (at most P), `tokens` new tokens each (at most what fits). The
     second prompt runs a full chunk and then a partial one over a real past, so the prefill's
     reading of its past is checked, not only its first chunk (with 7 and 33 tokens at the
-    default chunk of 64, a prefill that ignored its past passed); with bulk chunks, one of B + 9
-    for each bulk chunk B, which `prefill_calls` splits into a chunk C and a call of B over
-    its past (the split costs the same either way round; a tie puts the small chunk first),
-    with BULK_TOKENS new tokens: the bulk call's own, and a step that reads every row it wrote
-    (the generate models are the other probes' to check; 8 tokens after 521 cost 2 s more of
-    kvc's numpy runtime on the 250M model).
-    An unchunked prefill has one
+    default chunk of 64, a prefill that ignored its past passed). An unchunked prefill has one
     path, a padded prompt over no past, which 7 tokens would run again: on kvc's numpy runtime
-    each run is a full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU compile's
-    numpy check).
+    each run is a full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU
+    compile's numpy check).
+
+    With bulk chunks, one prompt of B + 9 tokens for each bulk chunk B, which `prefill_calls`
+    splits into a chunk C and a call of B over its rows (the split costs the same either way
+    round; a tie puts the small chunk first), with BULK_TOKENS new tokens: the bulk call's own
+    and one step that reads every row it wrote (the generate models are the other probes' to
+    check).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
@@ -51,7 +51,8 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     for length in sorted(lengths):
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(tokens, max_new_tokens(plan, length))))
     for length in sorted({min(plan.prompt, bulk + 9) for bulk in plan.bulk} - lengths):
-        cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(tokens, BULK_TOKENS, max_new_tokens(plan, length))))
+        n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
+        cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
     first = next((s for s in plan.sizes[:-1] if s - plan.tokens >= 2), None)
     if first is not None:
         length = min(plan.prompt, first - 2)
