@@ -304,6 +304,11 @@ def measure_serving(model: Path, tmp: Path, reps: int, only: list[str]) -> list[
     return rows
 
 
+def _figure(value: float) -> str:
+    """Three significant digits, never in exponent form (2120, not 2.12e+03)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| what the user waits for | kvc (defaults) | peer | ratio |", "|---|---:|---|---:|"]
     for r in rows:
@@ -313,8 +318,8 @@ def table(rows: list[dict]) -> str:
             continue
         scale, unit = (1e3, "ms") if r["step"] in ("ttft", "decode") else (1, "s")
         kvc, peer = r["kvc_s"] * scale, r["peer_s"] * scale
-        cell = f"{kvc:.3g} {unit}"
-        peer_cell = f"{r['peer']}: {peer:.3g} {unit}"
+        cell = f"{_figure(kvc)} {unit}"
+        peer_cell = f"{r['peer']}: {_figure(peer)} {unit}"
         ratio = f"{r.get('ratio', kvc / peer):.2f}x"
         if "kvc_rss_mb" in r:
             cell += f", peak RSS {r['kvc_rss_mb']:.0f} MB"
