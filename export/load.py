@@ -149,16 +149,10 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
                                backend)
         return _session(directory, manifest, name, backend, from_ir, sweep, mapped)
 
-    generate, bulk = {}, {}
-    for name in manifest["models"]:
-        kind, size = model_kind(name)
-        if kind == "generate":
-            generate[size] = session(name)
+    kinds = {name: model_kind(name) for name in manifest["models"]}  # imported in this order: the sweep skips the first
+    generate = {size: session(name) for name, (kind, size) in kinds.items() if kind == "generate"}
     prefill = session("prefill")
-    for name in manifest["models"]:
-        kind, size = model_kind(name)
-        if kind == "prefill" and size is not None:
-            bulk[size] = session(name)
+    bulk = {size: session(name) for name, (kind, size) in kinds.items() if kind == "prefill" and size is not None}
     logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk)
 

@@ -39,8 +39,9 @@ After each import kvc asks the kernel to drop the new mappings' remaining pages 
   dropping pages loses nothing. The file's pages stay in the page cache, and a page touched
   again (the embedding table, which Gather reads in place) is faulted back in with the same
   content;
-* nothing of kvc's runs between reading the maps and the call: the import has returned and
-  owns its mapping until the compiled model is released, and the sweep thread has been joined.
+* nothing of kvc's runs between reading the maps and the call: the import (or the compile
+  check's reference compile) has returned and owns its mapping until the compiled model is
+  released, and the sweep thread has been joined.
   (Another thread of the process that unmapped that range and mapped anonymous memory at the
   same address in that instant would lose its pages: kvc opens a directory on one thread.)
 
