@@ -91,6 +91,7 @@ PLANNED = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants
 
 def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
     """Put a plan's lengths in place of the options; an option given too is a conflict."""
+    from kvc.plan import chunk_label
     from kvc.planner import read_plan
 
     given = [k for k in PLANNED if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
@@ -100,10 +101,8 @@ def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
     lengths = read_plan(path)
     kwargs.update({k: lengths[k] for k in PLANNED[:3]})
     kwargs["variants"] = ",".join(map(str, lengths["variants"]))
-    chunk = lengths["prefill_chunk_size"]
     progress(f"plan {path}: P {lengths['max_prompt_len']}, R {lengths['min_response_len']}, chunk "
-             f"{' + '.join(map(str, chunk)) if isinstance(chunk, tuple) else chunk or 'none'}, "
-             f"variants {kwargs['variants']}")
+             f"{chunk_label(lengths['prefill_chunk_size'])}, variants {kwargs['variants']}")
 
 
 def source_name(path: Path, bundled: bool) -> str:

@@ -163,19 +163,23 @@ def static_options(f):
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
-        click.option("--kv-precision", type=click.Choice(["f16", "bf16", "f32", "int8"]), default="f16",
+        click.option("--kv-precision", type=click.Choice(["auto", "f16", "bf16", "f32", "int8"]), default="auto",
                      show_default=True,
                      help="Element type of KV inputs/outputs (the NPU plugin stores f16; bf16 for CPU only); int8: "
-                          "with one f16 scale per token and head, dequantized in the graph (docs/kv-precision.md)."),
+                          "with one f16 scale per token and head, dequantized in the graph (docs/kv-precision.md). "
+                          "auto: bf16 when compiling for CPU only with bf16 CPU blobs, else f16."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
         click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
                      help="Prefill returns only the last position's logits (as NPUW does)."),
         click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
                      help="beam_idx handling: drop it (OpenVINO). keep and indirect are refused: the static "
                           "contract runs batch 1."),
-        click.option("--attention", type=click.Choice(["grouped", "sdpa"]), default="grouped", show_default=True,
+        click.option("--attention", type=click.Choice(["auto", "grouped", "split-past", "sdpa"]), default="auto",
+                     show_default=True,
                      help="grouped: attention as MatMuls over the unexpanded GQA cache (no per-step copy of "
-                          "the cache); sdpa: keep ScaledDotProductAttention."),
+                          "the cache); split-past: grouped, and the generate models read the past and the new "
+                          "rows apart (no Concat of the cache every step); sdpa: keep ScaledDotProductAttention. "
+                          "auto: split-past when compiling for CPU only, else grouped."),
         click.option("--passes", "passes_", default=None, metavar="PIPELINE",
                      help="Common pipeline run before static shaping, e.g. 'lift-state,fuse-kvcache'."),
     ]
@@ -200,9 +204,11 @@ STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "vari
 def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):
     """The StaticOptions of the command's options; `auto` values resolved for `devices` and
     the CPU blobs' `precision`."""
-    from kvc.export.compile import resolve_chunk
+    from kvc.export.compile import resolve_attention, resolve_chunk, resolve_kv
 
     kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices, precision)
+    kwargs["kv_precision"] = resolve_kv(kwargs["kv_precision"], devices, precision)
+    kwargs["attention"] = resolve_attention(kwargs["attention"], devices)
     return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
 
 

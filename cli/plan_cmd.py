@@ -14,12 +14,13 @@ from kvc.cli.render import echo_json, human_bytes, table
 
 
 def costs_cache(path: Path, device: str, precision: str) -> Path:
-    """Where measured costs are kept: per model files, device, precision, the KV cache's type
-    and OpenVINO version."""
-    from kvc.export.compile import DEFAULT_KV
+    """Where measured costs are kept: per model files, device, precision, the KV cache's type,
+    the attention's form and OpenVINO version."""
+    from kvc.export.compile import resolve_attention, resolve_kv
     from kvc.export.manifest import openvino_version, source_hashes
 
-    key = json.dumps([source_hashes(path), device, precision, openvino_version(), DEFAULT_KV], sort_keys=True)
+    kv, attention = resolve_kv("auto", (device,), precision), resolve_attention("auto", (device,))
+    key = json.dumps([source_hashes(path), device, precision, openvino_version(), kv, attention], sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -28,13 +29,16 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     """Costs measured for another model, device or precision are refused (a hand-written file
     without a target is taken as given)."""
     from kvc.errors import UsageError
-    from kvc.export.compile import DEFAULT_KV
+    from kvc.export.compile import resolve_attention, resolve_kv
     from kvc.export.manifest import source_hashes
 
     t = dict(costs.target)
     if t and "kv_precision" not in t:  # measured before costs recorded it: with an f32 cache
         t["kv_precision"] = "f32"
-    expected = (("device", device), ("precision", precision), ("kv_precision", DEFAULT_KV))
+    if t and "attention" not in t:  # measured before costs recorded it: grouped
+        t["attention"] = "grouped"
+    expected = (("device", device), ("precision", precision), ("kv_precision", resolve_kv("auto", (device,), precision)),
+                ("attention", resolve_attention("auto", (device,))))
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")
@@ -108,13 +112,14 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     if as_json:
         echo_json(document)
         return
+    from kvc.plan import chunk_label
+
     s = load.summary()
     click.echo(f"workload: {s['requests']} requests, prompt {s['prompt_tokens']['mean']:.0f} tokens on average "
                f"(max {s['prompt_tokens']['max']}), {s['new_tokens']['mean']:.0f} new (max {s['new_tokens']['max']})")
     rows = []
     for c in (result["plan"], *result["baselines"]):
-        chunk = " + ".join(map(str, (c.chunk, *c.bulk))) if c.chunk else "none"
-        rows.append((c.name, c.prompt, c.response, chunk, ",".join(map(str, c.sizes)),
+        rows.append((c.name, c.prompt, c.response, chunk_label(c.chunk, c.bulk), ",".join(map(str, c.sizes)),
                      f"{c.ttft_ms:.1f}", f"{c.decode_ms:.1f}", f"{c.request_ms:.1f}", c.models,
                      f"{c.compile_s:.1f}", human_bytes(c.model_bytes)))
     click.echo(table(["", "P", "R", "chunk", "variants", "TTFT ms", "decode ms", "request ms", "models",

@@ -6,6 +6,7 @@
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
     tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention]
+          (attention "split-past": group-attention{split_past=true} in the generate branches)
 
 The pass objects are built from the typed options (`branch_passes`); pipeline text is only
 what users type (`--passes`) and what the manifest and dumps record.
@@ -64,7 +65,8 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,
                      slice_logits=prefill and options.slice_logits)
-        grouped = [GroupAttention()] if options.attention == "grouped" else []
+        split = options.attention == "split-past" and not prefill
+        grouped = [GroupAttention(split_past=split)] if options.attention in ("grouped", "split-past") else []
         return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped]
 
     branches = {"prefill": [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=lengths.chunk), *tail(True)]}

@@ -102,16 +102,40 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
         return value
     if not set(devices) <= {"CPU"}:
         return 0
+    return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
+
+
+def cpu_precision(precision: str) -> str:
+    """The CPU blobs' arithmetic: `precision`, or for "auto" what the CPU plugin picks here."""
     if precision == "auto":
-        precision = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-    return CPU_CHUNK.get(precision, CPU_CHUNK["f32"])
+        return core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+    return precision
 
 
-# The KV cache `kvc compile` stores by default: f16, the NPU plugin's type. bf16 (--kv-precision
-# bf16) is what a CPU computing at bf16 reads without converting, but the CPU plugin then copies
-# the whole past in its Concat (ref_bf16, 2.0 ms a step on the 250M model) where an f16 past is
-# converted straight into it: the same 4.9 ms of attention either way (docs/kv-precision.md).
+# The KV cache `kvc compile` stores by default (--kv-precision auto): f16, the NPU plugin's type;
+# bf16 when every device is a CPU computing at bf16, which then reads the past as it is. With an
+# f16 past the CPU converts the whole past every step (into the Concat of past and new rows);
+# with bf16 and the split attention below it reads the past in place: a generate step of the
+# 250M Llama 23.0 ms (f16, Concat) -> 22.3 (bf16, Concat) -> 21.4 (bf16, split); a 64-row
+# prefill chunk 49.9 -> 48.5 ms (docs/kv-precision.md).
 DEFAULT_KV = "f16"
+
+
+def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
+    """--kv-precision auto: bf16 when every device is the CPU and its blobs compute at bf16
+    (`precision`, "auto" resolved for this host), else DEFAULT_KV."""
+    if value != "auto":
+        return value
+    return "bf16" if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16" else DEFAULT_KV
+
+
+def resolve_attention(value: str, devices=("CPU",)) -> str:
+    """--attention auto: "split-past" when every device is the CPU (a generate step reads the
+    past in place instead of through a Concat, group-attention's split_past), else "grouped"
+    (the NPU's graphs keep the Concat: no NPU here to measure a change on)."""
+    if value != "auto":
+        return value
+    return "split-past" if set(devices) <= {"CPU"} else "grouped"
 
 
 def check_kv(value: str, devices) -> None:

@@ -39,7 +39,9 @@ class StaticOptions:
     slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
     beam: str = "drop"
     passes: str | None = None  # the common pipeline as text; default: lift-state
-    attention: str = "grouped"  # "grouped": group-attention rewrites SDPA; "sdpa": kept as is
+    # "grouped": group-attention rewrites SDPA; "split-past": the same, and the generate models
+    # read the past and the new rows apart (group-attention{split_past=true}); "sdpa": kept as is
+    attention: str = "grouped"
     max_positions: int | None = None  # the positions the model was built for (its config.json), when known
 
     def __post_init__(self) -> None:
@@ -115,9 +117,14 @@ class LengthPlan:
         return plan
 
 
-def chunk_label(lengths: dict) -> str:
-    """A manifest's prefill chunks as outputs show them: "64", "64 + bulk 512", "none"."""
-    chunk, bulk = lengths.get("prefill_chunk_size"), lengths.get("prefill_bulk_chunks") or []
+def chunk_label(chunk, bulk=()) -> str:
+    """Prefill chunks as every output shows them: "64", "64 + bulk 512", "none". `chunk` may
+    be a manifest's lengths (a dict), or the sizes of --prefill-chunk-size (an int or a tuple:
+    the chunk, then the bulk chunks)."""
+    if isinstance(chunk, dict):
+        chunk, bulk = chunk.get("prefill_chunk_size"), chunk.get("prefill_bulk_chunks") or ()
+    elif isinstance(chunk, tuple):
+        chunk, bulk = chunk[0], chunk[1:]
     return f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk)
 
 

@@ -63,6 +63,28 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
         assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (chunk, [512])
 
 
+@pytest.mark.parametrize("args, kv, attention", [
+    ((), "host", "split-past"), (("--inference-precision", "f32"), "f16", "split-past"),
+    (("--inference-precision", "bf16"), "bf16", "split-past"), (("--device", "NPU"), "f16", "grouped"),
+    (("--device", "CPU", "--device", "NPU"), "f16", "grouped"),
+    (("--kv-precision", "f32", "--attention", "sdpa"), "f32", "sdpa")])
+def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, attention):
+    """auto: a bf16 cache when compiling for CPU only with bf16 blobs (by default the host's own
+    precision), else f16; the generate models read the past apart from the new rows when
+    compiling for CPU only (group-attention{split_past=true}), the prefill models never; the NPU
+    keeps the grouped Concat. Explicit values always win."""
+    if kv == "host":
+        kv = "bf16" if core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() == "bf16" else "f16"
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, "--max-prompt-len", "128", "--min-response-len", "64",
+        "--no-verify", *args)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["plan"]["options"]["kv_precision"], manifest["plan"]["options"]["attention"]) == (kv, attention)
+    pipelines = {name: m["pipeline"] for name, m in manifest["models"].items()}
+    assert all(("split_past=true" in text) == (attention == "split-past" and name.startswith("generate-"))
+               for name, text in pipelines.items())
+
+
 def test_bulk_prefill_chunks_compile_verify_and_run(tmp_path):
     """--prefill-chunk-size 16,32: a prefill model per size, verified (a probe of 32 + 9 tokens
     runs the bulk model over a chunk's rows), listed, and run with the golden tokens."""

@@ -269,9 +269,10 @@ def test_without_rotate_half_rope_the_blob_check_refuses_gpt_oss(tmp_path):
 
 @pytest.fixture(scope="module")
 def bulky(tmp_path_factory, source):
-    """A directory with a bulk prefill model: chunks of 16, bulk 32 (P 64)."""
+    """A directory with a bulk prefill model: chunks of 16, bulk 32 (P 64), an f16 cache."""
     out = tmp_path_factory.mktemp("trust") / "bulk"
-    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--no-verify")
+    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--kv-precision",
+        "f16", "--no-verify")
     return out
 
 

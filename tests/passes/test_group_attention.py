@@ -14,14 +14,19 @@ from kvc.runtime.session import NumpySession, OpenVINOSession
 from tests.conftest import fixture_names
 
 
-def _attention_model(causal: bool, mask: str | None, scale: bool, rep: int = 2):
-    """SDPA over a GQA-expanded cache, the way optimum exports it."""
+def _attention_model(causal: bool, mask: str | None, scale: bool, rep: int = 2, past: int = 0):
+    """SDPA over a GQA-expanded cache, the way optimum exports it; with `past`, the keys and
+    values are each a Concat of that many past rows (inputs k_past, v_past) and the rest."""
     B, Hkv, L, S, D = 1, 2, 3, 5, 4
     H = Hkv * rep
     q = ops.parameter([B, H, L, D], np.float32, name="q")
-    k = ops.parameter([B, Hkv, S, D], np.float32, name="k")
-    v = ops.parameter([B, Hkv, S, D], np.float32, name="v")
+    k = ops.parameter([B, Hkv, S - past, D], np.float32, name="k")
+    v = ops.parameter([B, Hkv, S - past, D], np.float32, name="v")
     params = [q, k, v]
+    if past:
+        pasts = [ops.parameter([B, Hkv, past, D], np.float32, name=n) for n in ("k_past", "v_past")]
+        params += pasts
+        k, v = (ops.concat([p, x], 2) for p, x in zip(pasts, (k, v)))
 
     def expand(x):
         u = ops.unsqueeze(x, ops.constant(np.array([2], np.int64)))
@@ -66,11 +71,47 @@ def test_matches_the_specification(causal, mask, scale):
         np.testing.assert_allclose(session.infer(feed)["out"], before, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal,mask,scale", [(False, None, False), (True, "float", True), (False, "bool", False)])
+def test_split_past_matches_the_specification(causal, mask, scale):
+    """split_past reads the past and the new rows apart: no Concat of keys or values is left,
+    and the result is the specification's."""
+    model = _attention_model(causal, mask, scale, past=3)
+    rng = np.random.default_rng(2)
+    feed = {"q": rng.standard_normal((1, 4, 3, 4), np.float32)}
+    for name, rows in (("k", 2), ("v", 2), ("k_past", 3), ("v_past", 3)):
+        feed[name] = rng.standard_normal((1, 2, rows, 4), np.float32)
+    if mask == "float":
+        feed["m"] = np.where(rng.random((1, 1, 3, 5)) < 0.3, -1e9, 0).astype(np.float32)
+    elif mask == "bool":
+        feed["m"] = rng.random((1, 4, 3, 5)) > 0.3
+        feed["m"][..., 0] = True
+    before = OpenVINOSession(model).infer(feed)["out"]
+    split = PassManager(parse_pipeline("group-attention{split_past=true}"), use_env=False).run(model.clone()).model
+    concats = [n for n in split.get_ops() if n.get_type_name() == "Concat"]
+    assert [c.get_output_partial_shape(0)[-1].get_length() for c in concats] == [5], "one Concat: the scores'"
+    for session in (NumpySession(split), OpenVINOSession(split)):
+        np.testing.assert_allclose(session.infer(feed)["out"], before, rtol=1e-5, atol=1e-6)
+
+
+def test_split_past_needs_two_parts_on_the_sequence_axis():
+    """Keys and values that are not a past/new Concat on axis 2 keep the plain grouped form."""
+    model = _attention_model(False, None, False)
+    split = PassManager(parse_pipeline("group-attention{split_past=true}"), use_env=False).run(model.clone()).model
+    assert not [n for n in split.get_ops() if n.get_type_name() in ("Concat", "VariadicSplit")]
+
+
+@pytest.mark.parametrize("split_past", [False, True])
 @pytest.mark.parametrize("name", fixture_names())
-def test_static_generate_step_unchanged_on_fixtures(name):
+def test_static_generate_step_unchanged_on_fixtures(name, split_past):
     spec = "lift-state,dense-experts,static-shape{kind=generate,size=96},mask-positions,unmask-pad-rows"
     model = PassManager(parse_pipeline(spec), use_env=False).run(ir.load(fixtures.path(name))).model
-    grouped = PassManager(parse_pipeline("group-attention"), use_env=False).run(model.clone()).model
+    grouped = PassManager(parse_pipeline(f"group-attention{{split_past={str(split_past).lower()}}}"),
+                          use_env=False).run(model.clone()).model
+    if split_past:  # every attention rewritten reads its past apart (xglm has none, gpt_oss keeps its sinks')
+        count = lambda m: sum(n.get_type_name() == "ScaledDotProductAttention" for n in m.get_ops())  # noqa: E731
+        split = [n for n in grouped.get_ops() if n.get_type_name() == "VariadicSplit"
+                 and n.input_value(0).get_node().get_type_name() == "Softmax"]
+        assert len(split) == count(model) - count(grouped)
     rng = np.random.default_rng(1)
     feed = {}
     for p in model.inputs:

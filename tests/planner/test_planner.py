@@ -158,7 +158,7 @@ def test_compile_takes_bulk_chunks_from_a_plan(tmp_path):
     plan.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
         "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": [16, 32], "variants": [128]}}))
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--plan", plan, "--no-verify")
-    assert "chunk 16 + 32" in result.output and "chunk=16 + bulk 32" in result.output
+    assert "chunk 16 + bulk 32" in result.output and "chunk=16 + bulk 32" in result.output
     lengths = json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]["lengths"]
     assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (16, [32])
 
@@ -176,9 +176,10 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "costs measured and written" in first.output and costs.is_file()
     data = json.loads(costs.read_text())
     assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
-    from kvc.export.compile import DEFAULT_KV
+    from kvc.export.compile import resolve_attention, resolve_kv
 
-    assert data["target"]["kv_precision"] == DEFAULT_KV  # measured with the cache compile stores
+    kv, attention = resolve_kv("auto", ("CPU",), "auto"), resolve_attention("auto", ("CPU",))
+    assert (data["target"]["kv_precision"], data["target"]["attention"]) == (kv, attention)  # compile's
     second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
                  "--max-models", "3")
     doc = json.loads(second.stdout)
@@ -188,7 +189,9 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert {b["name"] for b in doc["against"]} == {"single", "pyramid"}
     out = tmp_path / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, "--plan", plan, "--no-verify")
-    lengths = json.loads((out / "manifest.json").read_text())["plan"]["lengths"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["plan"]["options"]["kv_precision"], manifest["plan"]["options"]["attention"]) == (kv, attention)
+    lengths = manifest["plan"]["lengths"]
     chunks = ([lengths["prefill_chunk_size"], *lengths["prefill_bulk_chunks"]] if lengths["prefill_bulk_chunks"]
               else lengths["prefill_chunk_size"])
     assert (lengths["max_prompt_len"], lengths["min_response_len"], chunks,
@@ -207,6 +210,10 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     costs.write_text(json.dumps(data))
     assert "kv_precision 'f32'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
                                        code=2).output
+    data["target"].update(kv_precision=kv, attention="sdpa")  # another attention than compile's
+    costs.write_text(json.dumps(data))
+    assert "attention 'sdpa'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
+                                     code=2).output
 
 
 @pytest.mark.parametrize("n,m", [(5, 40), (15, 80), (40, 50), (64, 33)])
