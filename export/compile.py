@@ -116,8 +116,8 @@ def cpu_precision(precision: str) -> str:
 # bf16 when every device is a CPU computing at bf16, which then reads the past as it is. With an
 # f16 past the CPU converts the whole past every step (into the Concat of past and new rows);
 # with bf16 and the split attention below it reads the past in place: a generate step of the
-# 250M Llama 23.0 ms (f16, Concat) -> 22.3 (bf16, Concat) -> 21.4 (bf16, split); a 64-row
-# prefill chunk 49.9 -> 48.5 ms (docs/kv-precision.md).
+# 250M Llama 29.4 ms (f16, Concat) -> 25.9 (bf16, Concat) -> 24.5 (bf16, split); a 64-row
+# prefill chunk 61.0 -> 55.2 ms (bench/attention_forms.py, docs/kv-precision.md).
 DEFAULT_KV = "f16"
 
 

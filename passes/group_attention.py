@@ -26,9 +26,9 @@ converting the past into it, every step):
     out = w_past @ v_past + w_new @ v_new
 
 The same scores, softmax and weighted sum, summed in two parts. On the 250M Llama a generate
-step took 21.4 ms against 23.0 with the Concat (bf16 cache; docs/kv-precision.md); a prefill
-chunk took longer (64 rows: 50.6 against 48.5 ms: its score Concat is larger than the key
-Concat it saves), so prefill models keep the Concat.
+step took 24.5 ms against 25.9 with the Concat (bf16 cache; bench/attention_forms.py); a
+prefill chunk took longer (64 rows: 50.6 against 48.5 ms: its score Concat is larger than the
+key Concat it saves), so prefill models keep the Concat (docs/kv-precision.md).
 """
 
 from __future__ import annotations
