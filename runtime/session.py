@@ -64,6 +64,9 @@ class NumpySession:
     """kvc's interpreter: the reference."""
 
     backend = "numpy"
+    # What the model's constants point into when it was read over a shared mapping of its
+    # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
+    weights_mapping: object | None = None
 
     def __init__(self, model: ov.Model):
         self.interpreter = Interpreter(model)
@@ -111,6 +114,9 @@ class OpenVINOSession:
     (`exact=False` keeps the plugin's own defaults, e.g. bf16 where the CPU has it)."""
 
     backend = "openvino"
+    # What the model's constants point into when it was read over a shared mapping of its
+    # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
+    weights_mapping: object | None = None
 
     def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None,
                  *, exact: bool = True):

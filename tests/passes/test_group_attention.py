@@ -51,18 +51,24 @@ def _attention_model(causal: bool, mask: str | None, scale: bool, rep: int = 2, 
     return ov.Model([out], params, "attn")
 
 
-@pytest.mark.parametrize("causal,mask,scale", [(False, None, False), (True, None, False), (False, "float", True),
-                                               (False, "bool", False), (True, "float", True)])
-def test_matches_the_specification(causal, mask, scale):
-    model = _attention_model(causal, mask, scale)
-    rng = np.random.default_rng(0)
-    feed = {"q": rng.standard_normal((1, 4, 3, 4), np.float32), "k": rng.standard_normal((1, 2, 5, 4), np.float32),
-            "v": rng.standard_normal((1, 2, 5, 4), np.float32)}
+def _feed(rng, mask: str | None, past: int = 0) -> dict:
+    """Random inputs for `_attention_model` (S = 5 keys, `past` of them in k_past/v_past)."""
+    feed = {"q": rng.standard_normal((1, 4, 3, 4), np.float32)}
+    for name, rows in (("k", 5 - past), ("v", 5 - past)) + ((("k_past", past), ("v_past", past)) if past else ()):
+        feed[name] = rng.standard_normal((1, 2, rows, 4), np.float32)
     if mask == "float":
         feed["m"] = np.where(rng.random((1, 1, 3, 5)) < 0.3, -1e9, 0).astype(np.float32)
     elif mask == "bool":
         feed["m"] = rng.random((1, 4, 3, 5)) > 0.3
         feed["m"][..., 0] = True
+    return feed
+
+
+@pytest.mark.parametrize("causal,mask,scale", [(False, None, False), (True, None, False), (False, "float", True),
+                                               (False, "bool", False), (True, "float", True)])
+def test_matches_the_specification(causal, mask, scale):
+    model = _attention_model(causal, mask, scale)
+    feed = _feed(np.random.default_rng(0), mask)
     before = OpenVINOSession(model).infer(feed)["out"]
     grouped = PassManager(parse_pipeline("group-attention"), use_env=False).run(model.clone()).model
     assert not [n for n in grouped.get_ops() if n.get_type_name() == "ScaledDotProductAttention"]
@@ -76,15 +82,7 @@ def test_split_past_matches_the_specification(causal, mask, scale):
     """split_past reads the past and the new rows apart: no Concat of keys or values is left,
     and the result is the specification's."""
     model = _attention_model(causal, mask, scale, past=3)
-    rng = np.random.default_rng(2)
-    feed = {"q": rng.standard_normal((1, 4, 3, 4), np.float32)}
-    for name, rows in (("k", 2), ("v", 2), ("k_past", 3), ("v_past", 3)):
-        feed[name] = rng.standard_normal((1, 2, rows, 4), np.float32)
-    if mask == "float":
-        feed["m"] = np.where(rng.random((1, 1, 3, 5)) < 0.3, -1e9, 0).astype(np.float32)
-    elif mask == "bool":
-        feed["m"] = rng.random((1, 4, 3, 5)) > 0.3
-        feed["m"][..., 0] = True
+    feed = _feed(np.random.default_rng(2), mask, past=3)
     before = OpenVINOSession(model).infer(feed)["out"]
     split = PassManager(parse_pipeline("group-attention{split_past=true}"), use_env=False).run(model.clone()).model
     concats = [n for n in split.get_ops() if n.get_type_name() == "Concat"]
