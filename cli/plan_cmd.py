@@ -37,7 +37,8 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
         t["kv_precision"] = "f32"
     if t and "attention" not in t:  # measured before costs recorded it: grouped
         t["attention"] = "grouped"
-    expected = (("device", device), ("precision", precision), ("kv_precision", resolve_kv("auto", (device,), precision)),
+    expected = (("device", device), ("precision", precision),
+                ("kv_precision", resolve_kv("auto", (device,), precision)),
                 ("attention", resolve_attention("auto", (device,))))
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):

@@ -41,6 +41,7 @@ class _Cache:
     param: ov.Node
     update: ov.Node  # the Concat or KVCache appending this step's rows
     result: ov.Node
+    channels: ov.Output | None = None  # int8 keys: the calibrated channel magnitudes (`_channel_magnitudes`)
 
 
 def _caches(model: ov.Model, fail) -> list[_Cache]:
@@ -86,6 +87,9 @@ class KVIO(Pass):
     def run(self, model: ov.Model) -> PassResult:
         caches = _caches(model, self.fail)
         touched: list[ov.Node] = []  # rewired: their types and shapes are inferred again
+        if self.kv_type == "i8":  # read off the past inputs before an empty past is removed with them
+            for c in caches:
+                c.channels = self._channel_magnitudes(c)
         for c in caches:
             past_len = c.param.get_output_partial_shape(0)[c.tensor.seq_axis].get_length()
             if past_len == 0:
@@ -180,7 +184,7 @@ class KVIO(Pass):
             raise self.fail(f"{t.input_name}: int8 KV needs the head dimension last, not the sequence", c.result)
         f32 = ov.Type.f32
         rewired = []
-        channels = self._channel_magnitudes(c, rank, depth)
+        channels = c.channels
         if c.param is not None:
             old = c.param.output(0)
             shape = c.param.get_output_partial_shape(0)
@@ -219,10 +223,12 @@ class KVIO(Pass):
         return [*rewired, c.result, result]
 
     @staticmethod
-    def _channel_magnitudes(c: _Cache, rank: int, depth: int) -> ov.Output | None:
+    def _channel_magnitudes(c: _Cache) -> ov.Output | None:
         """The calibrated magnitudes of a key cache per channel (every axis but batch and
         sequence), as a constant that broadcasts over its rows; None for values and for keys
-        without a calibration."""
+        without a calibration. Read off the past input, so before an empty past (an unchunked
+        prefill's) is removed: its present rows are quantized with the same channels as every
+        other model's, or the generate models read back other keys than the prefill stored."""
         if c.tensor.kind != "key" or c.param is None:
             return None
         rt = c.param.get_rt_info()
