@@ -474,7 +474,7 @@ def _check(model_path: Path, work: Path, manifest: dict, static, vocab: int, sel
         progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
         ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
                                                                             f"runtime ({i}/{len(cases)})"))
-        verification = verify_static(reference_session(model_path), static, cases, ir_gens)
+        verification = verify_static(reference_session(model_path), static, cases, ir_gens, selecting)
         if options.recorder is not None:
             options.recorder.probes(model_path, cases, ir_gens, work)
         if not verification["ok"]:

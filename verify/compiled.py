@@ -81,20 +81,22 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     return gens
 
 
-def verify_static(reference, static: StaticModels, cases, ir_gens) -> dict:
+def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bool = False) -> dict:
     """The compile-time check: kvc's static pipeline on the numpy runtime (`ir_gens`) against
     the original model on OpenVINO CPU at f32 (`reference`, a session), on the probe cases.
     The reference is an engine kvc did not write: were it kvc's interpreter, a kernel bug
     would make the source and the static models wrong the same way and the check pass (it
-    did, for attention sinks)."""
-    from kvc.runtime.compare import judge, nrmse_limit, reduced_precision
+    did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
+    from kvc.runtime.compare import judge, nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
 
-    reduced = reduced_precision(static.plan.kv_element_types, "numpy")
-    limit = nrmse_limit(static.plan.kv_element_types)  # f32 arithmetic: never the selecting bound
+    kv_types = static.plan.kv_element_types
+    reduced = reduced_precision(kv_types, "numpy")
+    limit = nrmse_limit(kv_types)  # f32 arithmetic: never the selecting bound
+    steps = step_limit(kv_types, selecting)
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
-        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit)
+        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit, steps=steps)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
@@ -107,14 +109,14 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
     for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
-    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision
+    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision, step_limit
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
     reduced = reduced_precision(kv_types, backend, config)
-    limit = nrmse_limit(kv_types, selecting, backend, config)
+    limit, steps = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -137,7 +139,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit).to_dict())
+            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit, steps=steps).to_dict())
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -185,7 +187,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import judge, nrmse_limit, reduced_arithmetic, reduced_precision
+    from kvc.runtime.compare import judge, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
 
@@ -204,7 +206,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
     # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
-    selecting = any(reduced_arithmetic(b, configs[b]) for b in backends) and directory_selects(directory, manifest)
+    int8 = any(t in ("i8", "u8") for t in kv_types)  # the step bound's exemption needs it too (step_limit)
+    selecting = ((int8 or any(reduced_arithmetic(b, configs[b]) for b in backends))
+                 and directory_selects(directory, manifest))
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
@@ -213,7 +217,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                 references[(i, n)] = greedy(ref, prompt, n)
             verdict = judge(references[(i, n)], pipe.generate(prompt, n),
                             reduced=reduced_precision(kv_types, backend, configs[backend]),
-                            limit=nrmse_limit(kv_types, selecting, backend, configs[backend]))
+                            limit=nrmse_limit(kv_types, selecting, backend, configs[backend]),
+                            steps=step_limit(kv_types, selecting, backend, configs[backend]))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

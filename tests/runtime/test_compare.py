@@ -4,7 +4,8 @@ wrong output, and must allow a flip only at a true near-tie."""
 import numpy as np
 import pytest
 
-from kvc.runtime.compare import F16_NRMSE, SELECTING_NRMSE, f32_bound, judge, nonfinite_mismatch, nrmse_limit
+from kvc.runtime.compare import (F16_NRMSE, INT8_KV_NRMSE, SELECTING_NRMSE, STEP_ERROR, f32_bound, judge,
+                                 nonfinite_mismatch, nrmse_limit, step_error, step_limit)
 from kvc.runtime.generate import Generation
 
 V = 1024  # wide enough that one wrong logit leaves NRMSE small: the token rule decides
@@ -179,3 +180,44 @@ def test_a_selecting_graph_widens_the_bound_only_for_reduced_arithmetic():
     assert nrmse_limit(["bf16"], True, "numpy") == F16_NRMSE
     assert nrmse_limit(["f16"], True, "openvino", {"INFERENCE_PRECISION_HINT": "f32"}) == F16_NRMSE
     assert nrmse_limit(["f16"], False, "openvino", bf16_cpu) == F16_NRMSE
+
+
+def test_step_error_measures_a_step_against_the_spread_of_the_reference():
+    rng = np.random.default_rng(3)
+    ref = rng.normal(0, 2, V)
+    assert step_error(ref, ref) == 0.0
+    assert step_error(ref, ref + 7.0) == pytest.approx(0.0, abs=1e-12)  # a constant shift changes no probability
+    assert step_error(ref, ref + rng.normal(0, 0.2, V)) == pytest.approx(0.1, rel=0.1)
+    assert step_error(ref, rng.normal(0, 2, V)) == pytest.approx(2 ** 0.5, rel=0.1)  # unrelated logits
+    assert step_error(ref, np.where(np.arange(V) == 5, np.nan, ref)) == 0.0  # finite positions only
+
+
+@pytest.mark.parametrize("error, margin, ok", [(0.4, 0.5, False), (0.03, 0.05, True)])
+def test_a_wrong_step_cannot_excuse_a_flip_as_noise(error, margin, ok):
+    """A step whose logits are off by 0.4 of their spread (an int8 cache read back with other
+    key scales did this) makes its own error large enough to explain a flip at a margin of 0.5
+    as noise, and averaged with an exact step its NRMSE stays under int8's 0.05: only the step
+    bound refuses it. A rounding-sized error (0.03 of the spread) and a flip at a margin it can
+    explain is still a near-tie."""
+    ref = run(steps=3)
+    ref.logits[1][9] = ref.logits[1][2] - margin
+    rng = np.random.default_rng(4)
+    logits = [r.copy() for r in ref.logits]
+    logits[1] = logits[1] + rng.normal(0, error * float(ref.logits[1].std()), V).astype(np.float32)
+    logits[1][9] = logits[1][2] + 0.01
+    got = Generation(ref.prompt, [int(np.argmax(r)) for r in logits], logits)
+    assert got.tokens[1] == 9 and ref.tokens[1] == 2
+    v = judge(ref, got, reduced=True, limit=INT8_KV_NRMSE)
+    assert v.ok == ok, v.reason
+    assert v.comparison.nrmse < INT8_KV_NRMSE and v.comparison.step_error_at == 1
+    if not ok:
+        assert v.reason.startswith("step 1's logits are not the reference's")
+        assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, steps=None).ok  # what fooled the aggregate
+
+
+def test_only_a_selecting_graph_below_f32_or_with_int8_kv_goes_without_the_step_bound():
+    bf16_cpu = {"INFERENCE_PRECISION_HINT": "bf16"}
+    assert step_limit(["f16"], True, "openvino", bf16_cpu) is None and step_limit(["f16"], True, "npu") is None
+    assert step_limit(["i8", "f16"], True, "numpy") is None
+    assert (step_limit(["f16"], True, "numpy") == step_limit(["i8"], False, "numpy") == step_limit(["f16"], False, "npu")
+            == step_limit(["bf16"], False, "openvino", bf16_cpu) == STEP_ERROR)

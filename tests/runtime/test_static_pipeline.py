@@ -262,8 +262,9 @@ NPUW_LLM_FAILS = {
     # the expert blocks' data-dependent bounds stay dynamic (kvc's dense-experts rewrites them)
     "granitemoe": ("compile", "to_shape was called on a dynamic shape"),
     # it runs GPT-OSS (sinks, MoE, split-halves rotary) but its logits are off (NRMSE 0.022 on
-    # a 17-token prompt) where kvc's static models through the same plugin agree
-    "gpt_oss": ("agree", "NRMSE \\S+ > 0.01"),
+    # a 17-token prompt; a step 0.455 of its logits' spread off) where kvc's static models
+    # through the same plugin agree
+    "gpt_oss": ("agree", "NRMSE \\S+ > 0.01|logits are not the reference's"),
     # it compiles an ALiBi model without position_ids but cannot run it (it looks the input up
     # by name); kvc reshapes only the inputs a model has
     "bloom": ("run", "unordered_map::at"),
