@@ -8,8 +8,6 @@ import shutil
 from html import escape
 from html.parser import HTMLParser
 
-import pytest
-
 from kvc.report.page import SECTIONS, delta_text
 from tests.cli.runner import kvc
 from tests.report.conftest import HOSTILE
