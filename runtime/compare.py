@@ -263,10 +263,10 @@ class Verdict:
 
 
 def judge(ref, actual, *, reduced: bool = False, limit: float = F16_NRMSE,
-          steps: float | None = STEP_ERROR) -> Verdict:
+          step_bound: float | None = STEP_ERROR) -> Verdict:
     """Whether `actual` reproduces `ref` under the policy in the module docstring; `reduced`
     for a reduced-precision path (f16 KV, the NPU plugin, CPU below f32), else exact; `limit`
-    its NRMSE bound (`nrmse_limit`), `steps` its bound on every step's error (`step_limit`)."""
+    its NRMSE bound (`nrmse_limit`), `step_bound` its bound on every step's error (`step_limit`)."""
     c = compare_generations(ref, actual)
     div = c.first_divergent_token
     for side, run in (("found", actual), ("reference", ref)):
@@ -286,9 +286,9 @@ def judge(ref, actual, *, reduced: bool = False, limit: float = F16_NRMSE,
         if c.max_abs > c.bound:
             return Verdict(False, c, f"logits differ by {c.max_abs:.3g} > {c.bound:.3g}")
         return Verdict(True, c, f"identical tokens, logits within {c.bound:.3g}")
-    if steps is not None and c.step_error > steps:
+    if step_bound is not None and c.step_error > step_bound:
         return Verdict(False, c, f"step {c.step_error_at}'s logits are not the reference's: their error is "
-                                 f"{c.step_error:.3g} of the logits' spread (at most {steps})")
+                                 f"{c.step_error:.3g} of the logits' spread (at most {step_bound})")
     if c.nrmse > limit:
         return Verdict(False, c, f"NRMSE {c.nrmse:.3g} > {limit}")
     if div is None:

@@ -93,10 +93,10 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     kv_types = static.plan.kv_element_types
     reduced = reduced_precision(kv_types, "numpy")
     limit = nrmse_limit(kv_types)  # f32 arithmetic: never the selecting bound
-    steps = step_limit(kv_types, selecting)
+    bound = step_limit(kv_types, selecting)
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
-        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit, steps=steps)
+        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit, step_bound=bound)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
@@ -116,7 +116,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
     reduced = reduced_precision(kv_types, backend, config)
-    limit, steps = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
+    limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -139,7 +139,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit, steps=steps).to_dict())
+            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit, step_bound=bound).to_dict())
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -218,7 +218,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             verdict = judge(references[(i, n)], pipe.generate(prompt, n),
                             reduced=reduced_precision(kv_types, backend, configs[backend]),
                             limit=nrmse_limit(kv_types, selecting, backend, configs[backend]),
-                            steps=step_limit(kv_types, selecting, backend, configs[backend]))
+                            step_bound=step_limit(kv_types, selecting, backend, configs[backend]))
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                          **verdict.to_dict()})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

@@ -79,9 +79,9 @@ def test_int8_kv_keeps_the_reference_tokens(name):
     pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
                           {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
     assert {s.element_type for s in sm.plan.kv} == {"i8", "f16"}
-    steps = step_limit(sm.plan.kv_element_types, selects(sm.models.values()))  # none for the MoE fixtures
+    bound = step_limit(sm.plan.kv_element_types, selects(sm.models.values()))  # none for the MoE fixtures
     for prompt, ref in zip(prompts(), reference(name)):
-        verdict = judge(ref, pipe.generate(prompt, 24), reduced=True, limit=INT8_KV_NRMSE, steps=steps)
+        verdict = judge(ref, pipe.generate(prompt, 24), reduced=True, limit=INT8_KV_NRMSE, step_bound=bound)
         assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
 
 
@@ -137,6 +137,6 @@ def test_the_check_refuses_keys_read_back_with_other_scales(name, monkeypatch):
     vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     (prompt, n, _), = probe_cases(sm.plan.lengths, vocab)
     ref, got = greedy(reference, prompt, n), pipe.generate(prompt, n)
-    assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, steps=None).ok  # what the aggregate alone said
+    assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, step_bound=None).ok  # what the aggregate alone said
     verdict = judge(ref, got, reduced=True, limit=INT8_KV_NRMSE)
     assert not verdict.ok and "logits are not the reference's" in verdict.reason

@@ -212,7 +212,7 @@ def test_a_wrong_step_cannot_excuse_a_flip_as_noise(error, margin, ok):
     assert v.comparison.nrmse < INT8_KV_NRMSE and v.comparison.step_error_at == 1
     if not ok:
         assert v.reason.startswith("step 1's logits are not the reference's")
-        assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, steps=None).ok  # what fooled the aggregate
+        assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, step_bound=None).ok  # what fooled the aggregate
 
 
 def test_only_a_selecting_graph_below_f32_or_with_int8_kv_goes_without_the_step_bound():
