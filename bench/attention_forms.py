@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from default_path import MODEL
+from default_path import MODEL, kvc_compile
 
 FORMS = [("f16", "grouped"), ("f16", "split-past"), ("bf16", "grouped"), ("bf16", "split-past")]
 
@@ -58,9 +57,7 @@ def main(argv=None) -> int:
         requests = {}
         for kv, attention in FORMS:
             out = Path(name) / f"{kv}-{attention}"
-            subprocess.run([sys.executable, "-c", "from kvc.cli.main import cli; cli(prog_name='kvc')", "compile",
-                            str(args.model), "-o", str(out), "--no-verify", "--kv-precision", kv, "--attention",
-                            attention], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            kvc_compile(args.model, out, "--no-verify", "--kv-precision", kv, "--attention", attention)
             models = json.loads((out / "manifest.json").read_text())["models"]
             generate = max((n for n in models if n.startswith("generate-")), key=lambda n: int(n.split("-")[1]))
             for model in ("prefill", generate):

@@ -17,12 +17,11 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from default_path import MODEL, PROMPTS, in_turn, run_child
+from default_path import MODEL, PROMPTS, in_turn, kvc_compile, run_child
 
 
 def main(argv=None) -> int:
@@ -37,9 +36,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvc-compile-ab-", dir=os.environ.get("TMPDIR")) as name:
         outs = {side: Path(name) / side for side in "AB"}
         for side, flags in (("A", args.a), ("B", args.b)):
-            subprocess.run([sys.executable, "-c", "from kvc.cli.main import cli; cli(prog_name='kvc')", "compile",
-                            str(args.model), "-o", str(outs[side]), *shlex.split(flags)], check=True,
-                           stdout=subprocess.DEVNULL)
+            kvc_compile(args.model, outs[side], *shlex.split(flags))
         runs = {"A": [], "B": []}
         for i in range(args.rounds):
             for side in in_turn(i, "A", "B"):

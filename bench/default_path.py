@@ -148,6 +148,14 @@ def run_child(kind: str, model: Path, out: Path, device: str = "CPU") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kvc_compile(model: Path, out: Path, *flags: str) -> None:
+    """`kvc compile MODEL -o OUT FLAGS` in a fresh process (its summary discarded, its progress and
+    errors shown), as a user runs it; for benchmarks that compare configurations
+    (bench/compile_ab.py, bench/attention_forms.py)."""
+    subprocess.run([sys.executable, "-c", "from kvc.cli.main import cli; cli(prog_name='kvc')", "compile", str(model),
+                    "-o", str(out), *flags], check=True, stdout=subprocess.DEVNULL)
+
+
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 

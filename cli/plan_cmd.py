@@ -16,11 +16,12 @@ from kvc.cli.render import echo_json, human_bytes, table
 def costs_cache(path: Path, device: str, precision: str) -> Path:
     """Where measured costs are kept: per model files, device, precision, the KV cache's type,
     the attention's form and OpenVINO version."""
-    from kvc.export.compile import resolve_attention, resolve_kv
+    from kvc.export.compile import auto_cache
     from kvc.export.manifest import openvino_version, source_hashes
 
-    kv, attention = resolve_kv("auto", (device,), precision), resolve_attention("auto", (device,))
-    key = json.dumps([source_hashes(path), device, precision, openvino_version(), kv, attention], sort_keys=True)
+    cache = auto_cache(device, precision)
+    key = json.dumps([source_hashes(path), device, precision, openvino_version(), cache["kv_precision"],
+                      cache["attention"]], sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -29,7 +30,7 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     """Costs measured for another model, device or precision are refused (a hand-written file
     without a target is taken as given)."""
     from kvc.errors import UsageError
-    from kvc.export.compile import resolve_attention, resolve_kv
+    from kvc.export.compile import auto_cache
     from kvc.export.manifest import source_hashes
 
     t = dict(costs.target)
@@ -37,9 +38,7 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
         t["kv_precision"] = "f32"
     if t and "attention" not in t:  # measured before costs recorded it: grouped
         t["attention"] = "grouped"
-    expected = (("device", device), ("precision", precision),
-                ("kv_precision", resolve_kv("auto", (device,), precision)),
-                ("attention", resolve_attention("auto", (device,))))
+    expected = (("device", device), ("precision", precision), *auto_cache(device, precision).items())
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")

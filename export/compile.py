@@ -138,6 +138,12 @@ def resolve_attention(value: str, devices=("CPU",)) -> str:
     return "split-past" if set(devices) <= {"CPU"} else "grouped"
 
 
+def auto_cache(device: str, precision: str) -> dict:
+    """What `kvc compile` builds for `device` with --kv-precision and --attention left at auto
+    (CPU blobs at `precision`): the form `kvc plan` measures its costs on."""
+    return {"kv_precision": resolve_kv("auto", (device,), precision), "attention": resolve_attention("auto", (device,))}
+
+
 def check_kv(value: str, devices) -> None:
     """Refuse a KV type a device cannot take: bf16 for the NPU (NPUW's requests want f16 for a
     bf16 port: "Failed to set tensor ... precision: bf16, since the model input tensor precision

@@ -172,7 +172,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     the other runs measure the neighbours: a median once read a 256 step as 36 ms where the
     pipeline runs it in 21)."""
     from kvc.export.build import build_static
-    from kvc.export.compile import device_config, model_max_positions, resolve_attention, resolve_kv
+    from kvc.export.compile import auto_cache, device_config, model_max_positions
     from kvc.export.manifest import openvino_version, source_hashes
     from kvc.ir.reader import core, load, resolve
     from kvc.plan import StaticOptions
@@ -186,12 +186,11 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     chunks = sorted({c for c in (32, 128, 512) if c <= P})
     sizes = sorted({min(256, P + R), (P + R) // 2 // NPUW_ALIGN * NPUW_ALIGN or P + R, P + R})
     config = device_config(device, for_export=False, precision=precision)
-    kv, attention = resolve_kv("auto", (device,), precision), resolve_attention("auto", (device,))  # compile's
+    cache = auto_cache(device, precision)  # the KV type and attention `kvc compile` builds
     call_ms, step_ms, compile_s, model_bytes = {}, {}, [], []
     for i, chunk in enumerate(chunks):
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunk < P else 0,
-                                variants=tuple(sizes) if i == 0 else "single", kv_precision=kv,
-                                attention=attention)
+                                variants=tuple(sizes) if i == 0 else "single", **cache)
         static = build_static(load(path), options, use_env=False)
         names = ["prefill"] + ([f"generate-{s}" for s in sizes] if i == 0 else [])
         for name in names:
@@ -221,8 +220,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
-    target = {"device": device, "precision": precision, "kv_precision": kv, "attention": attention,
-              "openvino": openvino_version(),
+    target = {"device": device, "precision": precision, **cache, "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target)
 

@@ -122,6 +122,11 @@ def reduced_arithmetic(backend: str, config: dict | None = None) -> bool:
     return backend == "npu" or (config or {}).get("INFERENCE_PRECISION_HINT", "f32") != "f32"
 
 
+def int8_kv(kv_element_types) -> bool:
+    """Whether the KV cache is stored as 8-bit integers (kv-io's int8 with its scales)."""
+    return any(t in ("i8", "u8") for t in kv_element_types)
+
+
 def reduced_precision(kv_element_types, backend: str, config: dict | None = None) -> bool:
     """Whether a run is judged as reduced precision (module docstring, rule 3): KV stored in
     anything but f32, or arithmetic below f32 (`reduced_arithmetic`)."""
@@ -193,7 +198,7 @@ def nrmse_limit(kv_element_types, selects: bool = False, backend: str = "numpy",
     (`reduced_arithmetic`)."""
     if selects and reduced_arithmetic(backend, config):
         return SELECTING_NRMSE
-    return INT8_KV_NRMSE if any(t in ("i8", "u8") for t in kv_element_types) else F16_NRMSE
+    return INT8_KV_NRMSE if int8_kv(kv_element_types) else F16_NRMSE
 
 
 def step_limit(kv_element_types=(), selects: bool = False, backend: str = "numpy",
@@ -201,7 +206,7 @@ def step_limit(kv_element_types=(), selects: bool = False, backend: str = "numpy
     """The `step_error` bound of a reduced-precision run: STEP_ERROR, or none for a graph that
     `selects` run below f32 (`reduced_arithmetic`) or with an int8 KV cache, where a flipped
     expert moves a whole step."""
-    moves = reduced_arithmetic(backend, config) or any(t in ("i8", "u8") for t in kv_element_types)
+    moves = reduced_arithmetic(backend, config) or int8_kv(kv_element_types)
     return None if selects and moves else STEP_ERROR
 
 

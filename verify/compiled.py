@@ -187,7 +187,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import judge, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.runtime.compare import int8_kv, judge, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
 
@@ -206,8 +206,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
     # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
-    int8 = any(t in ("i8", "u8") for t in kv_types)  # the step bound's exemption needs it too (step_limit)
-    selecting = ((int8 or any(reduced_arithmetic(b, configs[b]) for b in backends))
+    selecting = ((int8_kv(kv_types) or any(reduced_arithmetic(b, configs[b]) for b in backends))  # step_limit's too
                  and directory_selects(directory, manifest))
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
