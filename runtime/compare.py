@@ -30,7 +30,8 @@ The policy, in order:
    Rounding leaves a step at most 0.043 on the fixture zoo's compile probes (kvc's runtime
    with f16 KV 0.006, bf16 KV 0.008, int8 KV 0.039; CPU blobs at bf16 against it 0.043) and
    0.13 over 24 steps with int8 KV (xglm); that int8 bug showed 0.11 to 0.95, so the bound
-   catches 6 of those 8 (falcon and gptj, at 0.17 and 0.19, still pass). Graphs that select
+   catches 6 of those 8 (falcon and gptj, at 0.17 and 0.19, pass it; the cache check of
+   `kvc.verify.cache_rows` refuses them). Graphs that select
    (TopK) run below f32 or with an int8 cache are exempt (`step_limit`): there a flipped
    expert moves a whole step by design, and the aggregate bound stays their guard.
 """

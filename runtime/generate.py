@@ -18,7 +18,7 @@ from kvc.errors import UsageError
 from kvc.runtime.session import Session
 
 # Inputs a stateless model gets back from its own outputs: the KV cache and kvc's beam table.
-_PAST = re.compile(r"^(past_key_values\.(\d+)\.(key_value|key|value)|past_beam_table)$")
+PAST_INPUT = re.compile(r"^(past_key_values\.(\d+)\.(key_value|key|value)|past_beam_table)$")
 
 
 def present_name(past: str) -> str:
@@ -34,6 +34,9 @@ class Generation:
     tokens: list[int] = field(default_factory=list)  # generated, prompt excluded
     logits: list[np.ndarray] = field(default_factory=list)  # [V] per step: what chose each token
     first_logits: np.ndarray | None = None  # [S, V] of the prefill step
+    # The cache after the run, when asked for (`greedy(keep_cache=True)`): a stateful session's
+    # variables by variable id, a stateless one's last past by input name.
+    cache: dict[str, np.ndarray] | None = None
 
 
 def step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
@@ -57,7 +60,7 @@ def empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
     if isinstance(session, OnnxRuntimeSession):
         ports = [(i.name, i.shape, i.type) for i in session.session.get_inputs()]
         for name, shape, _ in ports:
-            if _PAST.match(name):
+            if PAST_INPUT.match(name):
                 dims = [d if isinstance(d, int) else None for d in shape]
                 past[name] = _zero_len(name, dims, batch, np.float32)
         return past
@@ -70,7 +73,7 @@ def empty_past(session: Session, batch: int) -> dict[str, np.ndarray]:
     from kvc.runtime.ops.registry import to_dtype
 
     for name, port in ports:
-        if _PAST.match(name):
+        if PAST_INPUT.match(name):
             dims = [d.get_length() if d.is_static else None for d in port.get_partial_shape()]
             past[name] = _zero_len(name, dims, batch, to_dtype(port.get_element_type()))
     return past
@@ -90,7 +93,7 @@ def _zero_len(name: str, dims: list, batch: int, dtype) -> np.ndarray:
 
 def is_stateless(session: Session) -> bool:
     """True when the session takes its cache as inputs (past_key_values.*) rather than state."""
-    return any(_PAST.match(n) for n in session.input_names)
+    return any(PAST_INPUT.match(n) for n in session.input_names)
 
 
 def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
@@ -102,8 +105,9 @@ def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
 
 
 def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
-           reset: bool = True) -> Generation:
-    """Greedy decoding of one prompt (batch 1): argmax each step, no early stop."""
+           reset: bool = True, keep_cache: bool = False) -> Generation:
+    """Greedy decoding of one prompt (batch 1): argmax each step, no early stop; with
+    `keep_cache`, the cache it leaves in `Generation.cache`."""
     ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
     if ids.shape[1] == 0:
         raise UsageError("the prompt is empty")
@@ -129,4 +133,6 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
             past = {name: out[present_name(name)] for name in past}
         past_len += step_ids.shape[1]
         step_ids = np.array([[token]], dtype=np.int64)
+    if keep_cache:
+        gen.cache = dict(past) if stateless else session.state()
     return gen

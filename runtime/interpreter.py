@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 import numpy as np
 import openvino as ov
@@ -268,8 +268,9 @@ class Interpreter:
         return [names[0] for names, _, _ in self._inputs]
 
     def run(self, inputs: Mapping[str, np.ndarray], *, trace: bool | Callable[[str], None] = False,
-            capture: bool = False) -> TensorMap | tuple[TensorMap, dict[str, np.ndarray]]:
-        """Evaluate the model. With `capture`, also return every value by its stable name."""
+            capture: bool | Collection[str] = False) -> TensorMap | tuple[TensorMap, dict[str, np.ndarray]]:
+        """Evaluate the model. With `capture`, also return every value by its stable name (with
+        a collection of names, only those values, the others freed as without it)."""
         env: list = [None] * self._n_slots
         for s, v in self._consts.items():
             env[s] = v
@@ -281,8 +282,11 @@ class Interpreter:
                              f"{', '.join(self.input_names())}")
         emit = (trace if callable(trace) else lambda line: print(line, file=sys.stderr)) if trace else None
         captured: dict[str, np.ndarray] = {}
+        wanted = None if capture is True or capture is False else set(capture)
+        capture = capture is not False
         if capture:
-            captured.update({self._slot_names[s]: env[s] for _, s, _ in self._inputs if s in self._slot_names})
+            captured.update({self._slot_names[s]: env[s] for _, s, _ in self._inputs
+                             if s in self._slot_names and (wanted is None or self._slot_names[s] in wanted)})
         self._pending: dict[str, np.ndarray] = {}
         with np.errstate(all="ignore"):
             for step in self._steps:
@@ -304,9 +308,9 @@ class Interpreter:
                              f"{describe_array(env[s])}")
                 if capture:
                     for s in step.outputs:
-                        if s in self._slot_names:
+                        if s in self._slot_names and (wanted is None or self._slot_names[s] in wanted):
                             captured[self._slot_names[s]] = env[s]
-                else:
+                if wanted is not None or not capture:
                     for s in step.free:
                         env[s] = None
         self.state.update(self._pending)

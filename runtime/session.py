@@ -94,8 +94,9 @@ class NumpySession:
     def infer(self, inputs, *, trace=False):
         return self.interpreter.run({**self._bound, **inputs}, trace=trace)
 
-    def capture(self, inputs) -> tuple[TensorMap, dict[str, np.ndarray]]:
-        return self.interpreter.run({**self._bound, **inputs}, capture=True)
+    def capture(self, inputs, names=True) -> tuple[TensorMap, dict[str, np.ndarray]]:
+        """`infer`, also returning every value (or those `names`) by its stable name."""
+        return self.interpreter.run({**self._bound, **inputs}, capture=names)
 
     def reset(self) -> None:
         self.interpreter.reset()

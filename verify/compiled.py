@@ -64,7 +64,8 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
 def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     """The static IR as written to `directory` (read back as `kvc run --backend numpy` reads
     it: each model's XML over weights.bin, its ports checked against `manifest`) run by kvc's
-    numpy runtime on each probe: the IR's own answer. Reading what was written checks the
+    numpy runtime on each probe: the IR's own answer, with the cache rows each run leaves
+    (`Generation.cache`, `held_rows`). Reading what was written checks the
     files, not only the graphs in memory, and kvc's weights.bin aligns every constant, so the
     weights are used in place (the in-memory graphs map the source's .bin, whose misaligned
     constants the runtime would copy: 3.2 s of a 250M model's 13.9 s compile)."""
@@ -72,10 +73,14 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
 
     from kvc.export.load import pipeline_from
 
+    from kvc.verify.cache_rows import held_rows
+
     pipeline = pipeline_from(Path(directory), manifest, "numpy")
     gens = []
     for i, probe in enumerate(cases, 1):
-        gens.append(pipeline.generate(probe.prompt, probe.new_tokens, start_variant=probe.start))
+        gen = pipeline.generate(probe.prompt, probe.new_tokens, start_variant=probe.start)
+        gen.cache = held_rows(pipeline, gen.kv_rows)  # for `judge_run`'s cache check
+        gens.append(gen)
         if on_case is not None:
             on_case(i)
     return gens
@@ -83,11 +88,12 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
 
 def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bool = False) -> dict:
     """The compile-time check: kvc's static pipeline on the numpy runtime (`ir_gens`) against
-    the original model on OpenVINO CPU at f32 (`reference`, a session), on the probe cases.
+    the original model on OpenVINO CPU at f32 (`reference`, a session), on the probe cases:
+    the logits and tokens, and the cache rows (`judge_run`).
     The reference is an engine kvc did not write: were it kvc's interpreter, a kernel bug
     would make the source and the static models wrong the same way and the check pass (it
     did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
-    from kvc.runtime.compare import judge, nrmse_limit, reduced_precision, step_limit
+    from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
 
     kv_types = static.plan.kv_element_types
@@ -96,10 +102,35 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     bound = step_limit(kv_types, selecting)
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
-        verdict = judge(greedy(reference, prompt, n), got, reduced=reduced, limit=limit, step_bound=bound)
-        results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n, **verdict.to_dict()})
+        ref = greedy(reference, prompt, n, keep_cache=True)
+        results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n,
+                        **judge_run(ref, got, static.plan.kv, reduced=reduced, limit=limit, step_bound=bound)})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
+
+
+def judge_run(ref, got, kv, **policy) -> dict:
+    """`judge`'s verdict on a run (`policy`: its precision arguments) and, when both runs kept
+    their cache (`Generation.cache`), the cache check (`kvc.verify.cache_rows`) over the rows
+    both fed: the prompt's, and each generated token's up to the first that differs; only the
+    first layer's where the policy exempts a graph that selects from the step bound (a flipped
+    expert moves later layers' rows too). The row is a failure when either is; its reason is
+    the logits' unless only the cache failed."""
+    from kvc.runtime.compare import STEP_ERROR, first_divergence, judge
+    from kvc.verify.cache_rows import compare_cache, source_rows
+
+    verdict = judge(ref, got, **policy)
+    row = verdict.to_dict()
+    if ref.cache is None or got.cache is None:
+        return row
+    div = first_divergence(ref.tokens, got.tokens)
+    rows = min(len(ref.prompt) + (len(ref.tokens) - 1 if div is None else div), getattr(got, "kv_rows", 0))
+    every_layer = not policy.get("reduced") or policy.get("step_bound", STEP_ERROR) is not None
+    cache = compare_cache(source_rows(ref.cache), got.cache, kv, rows, every_layer=every_layer)
+    row.update(cache.to_dict())
+    if verdict.ok and not cache.ok:
+        row.update(ok=False, reason=cache.reason())
+    return row
 
 
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
@@ -182,14 +213,16 @@ def reference_session(source, backend: str = "openvino"):
 def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), prompts=None,
                     new_tokens: int = 16, reference_backend: str = "openvino", from_ir: bool = False) -> dict:
     """Run a compiled directory on each backend and the source model on `reference_backend`;
-    judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties)."""
+    judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties), and
+    on the numpy backend the cache rows too (`judge_run`)."""
     from pathlib import Path
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import int8_kv, judge, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
+    from kvc.verify.cache_rows import held_rows
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -213,13 +246,15 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         for i, prompt in enumerate(prompts):
             n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
             if (i, n) not in references:
-                references[(i, n)] = greedy(ref, prompt, n)
-            verdict = judge(references[(i, n)], pipe.generate(prompt, n),
-                            reduced=reduced_precision(kv_types, backend, configs[backend]),
-                            limit=nrmse_limit(kv_types, selecting, backend, configs[backend]),
-                            step_bound=step_limit(kv_types, selecting, backend, configs[backend]))
+                references[(i, n)] = greedy(ref, prompt, n, keep_cache=True)
+            got = pipe.generate(prompt, n)
+            if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
+                got.cache = held_rows(pipe, got.kv_rows)
             rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
-                         **verdict.to_dict()})
+                         **judge_run(references[(i, n)], got, plan.kv,
+                                     reduced=reduced_precision(kv_types, backend, configs[backend]),
+                                     limit=nrmse_limit(kv_types, selecting, backend, configs[backend]),
+                                     step_bound=step_limit(kv_types, selecting, backend, configs[backend]))})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
             "backend_configs": configs,
