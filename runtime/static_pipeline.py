@@ -97,6 +97,7 @@ class StaticPipeline:
         # interpreter and bf16 bytes (ml_dtypes.bfloat16) for a device.
         session = next(iter(generate.values()))
         self.buffers = {k.input: np.zeros(k.shape, session.input_dtype(k.input)) for k in self.kv}
+        self._written = 0  # every row from here on is zero in every buffer (`_store` moves it)
         # Every session with a past reads its prefix of the shared buffers directly (bound
         # once, here): a step copies only its new rows, never the cache.
         pasts = [(s, size - lengths.tokens) for size, s in generate.items()]
@@ -123,6 +124,7 @@ class StaticPipeline:
             rows = rows[tuple(src)]
         n = rows.shape[spec.seq_axis]
         self.buffers[spec.input][self._rows(spec, at, at + n)] = rows
+        self._written = max(self._written, at + n)
 
     def copy_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """A copy of cache rows `[start:stop]` of every KV tensor, by input name."""
@@ -265,8 +267,13 @@ class StaticPipeline:
                                  f"before them (up to {end}) and leave the last prompt token ({n - 1}) to compute")
             skip.append((at, at + count))
             end = at + count
-        for spec in self.kv:  # in place: sessions hold views of these buffers
-            self.buffers[spec.input][self._rows(spec, reuse, spec.shape[spec.seq_axis])] = 0
+        # Rows past the prompt's restored ones are zeroed, in place (sessions hold views of the
+        # buffers): masked rows get a weight of exactly 0, but 0 times a NaN left by an earlier
+        # run is NaN. Only rows written since the last zeroing (a 16-token prompt at P 1024
+        # zeroed 1152 rows of 32 tensors: 4.4 ms of a 60 ms first token on the bench model).
+        for spec in self.kv:
+            self.buffers[spec.input][self._rows(spec, reuse, max(reuse, self._written))] = 0
+        self._written = min(self._written, reuse)
         for at, rows in placed:
             self.restore_rows(rows, at)
         gen = StaticGeneration(prompt=[int(t) for t in prompt], cached_tokens=reuse,

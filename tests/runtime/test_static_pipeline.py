@@ -323,3 +323,18 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys, record_property):
             print(f"{name} {label} prompt {len(prompt)}: {verdict.reason}")
             assert verdict.ok, f"{label}, prompt of {len(prompt)} tokens: {verdict.reason}"
     record_property("npuw_llm", "agrees")
+
+
+@pytest.mark.parametrize("config", ["whole", "bulk"])
+def test_a_new_prompt_starts_over_a_zeroed_cache_and_computes_what_a_fresh_pipeline_does(config):
+    """Each prompt zeroes the rows the earlier runs wrote past its own restored rows (only
+    those: the rest are zero already), so a short prompt after a long run holds nothing stale."""
+    pipe = pipeline("llama", config, "openvino")
+    long, short = prompts()[-1], prompts(1)[0][:5]
+    pipe.generate(long, 8)
+    first = pipe.generate(short, 4)
+    for spec in pipe.kv:
+        stale = pipe.buffers[spec.input][pipe._rows(spec, first.kv_rows, spec.shape[spec.seq_axis])]
+        assert not np.any(stale), spec.input
+    fresh = pipeline("llama", config, "openvino").generate(short, 4)
+    assert first.tokens == fresh.tokens and np.array_equal(np.stack(first.logits), np.stack(fresh.logits))
