@@ -295,7 +295,7 @@ class StaticPipeline:
         reach the next one in a few steps)."""
         L, gen, last, n = self.lengths, run.generation, run.last, len(run.generation.prompt)
         sizes = sorted(self.generate_sessions)
-        variant = next((s for s in sizes if s >= n + L.response), sizes[-1])
+        variant = first_variant(L, n)
         if start_variant is not None:
             if start_variant not in self.generate_sessions or n > start_variant - L.tokens:
                 raise UsageError(f"cannot start a {n}-token prompt on generate variant {start_variant} "
@@ -315,14 +315,37 @@ class StaticPipeline:
                 return gen
             if len(gen.tokens) >= run.new_tokens:
                 return gen
-            if stored > variant - L.tokens:  # this variant's past is full: move up, nothing to copy
-                variant = next(s for s in sizes if s - L.tokens >= stored)
+            variant = step_variant(L, variant, stored)
             started = time.perf_counter()
             last, kept = self._decode_step(variant, token, stored)
             stored += L.tokens
             gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
+
+
+def first_variant(lengths: LengthPlan, prompt_len: int) -> int:
+    """The generate variant a prompt starts on: the smallest that holds it and R, else the largest."""
+    return next((s for s in lengths.sizes if s >= prompt_len + lengths.response), lengths.sizes[-1])
+
+
+def step_variant(lengths: LengthPlan, variant: int, stored: int) -> int:
+    """The variant a generate step runs on with `stored` rows in the cache: `variant` while its
+    past has room, else the smallest whose past does (moving up copies nothing)."""
+    if stored <= variant - lengths.tokens:
+        return variant
+    return next(s for s in lengths.sizes if s - lengths.tokens >= stored)
+
+
+def variants_run(lengths: LengthPlan, prompt_len: int, new_tokens: int, start: int | None = None) -> list[int]:
+    """The variant of each generate step `decode_from` runs for `new_tokens` after a prompt
+    (started on `start`, or `first_variant`), with no stop token."""
+    variant, stored, steps = start or first_variant(lengths, prompt_len), prompt_len, []
+    for _ in range(new_tokens - 1):
+        variant = step_variant(lengths, variant, stored)
+        steps.append(variant)
+        stored += lengths.tokens
+    return steps
 
 
 # What a prefill call costs beyond its rows, in rows: a pass over the weights. Measured on the

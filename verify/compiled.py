@@ -45,8 +45,12 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     itself would start such a prompt on a larger variant (it keeps R rows free); the probe
     starts on T1 so that the switch costs a few steps, not R: a prompt of T1 - R tokens run
     to the switch took R + 2 steps, 130 of them on kvc's numpy runtime for a 250M model with
-    variants 640 and 1152 (20 s of a 31 s compile); a 7-token prompt run to it took T1 steps."""
-    from kvc.runtime.static_pipeline import max_new_tokens
+    variants 640 and 1152 (20 s of a 31 s compile); a 7-token prompt run to it took T1 steps.
+
+    Every variant no probe above runs (with three or more, `variants_run`) gets a short prompt
+    started on it and BULK_TOKENS: one step on it (a variant of four that no probe reached was
+    published with its past values halved)."""
+    from kvc.runtime.static_pipeline import max_new_tokens, variants_run
 
     rng = np.random.default_rng(seed)
     cases = []
@@ -63,6 +67,11 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
         length = min(plan.prompt, first - 2)
         n = first - length + plan.tokens + 1
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length)), first))
+    run = {v for probe in cases for v in variants_run(plan, len(probe.prompt), probe.new_tokens, probe.start)}
+    for size in plan.sizes:
+        if size not in run and short <= size - plan.tokens:
+            n = min(tokens, BULK_TOKENS, max_new_tokens(plan, short))
+            cases.append(Probe(rng.integers(1, vocab, short).tolist(), n, size))
     return cases
 
 

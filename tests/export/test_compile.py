@@ -664,3 +664,15 @@ def test_range_hashes_for_the_blob_cache(tmp_path):
         assert hashes.entry(path)["sha256"] == hashlib.sha256(data).hexdigest()
         path.write_bytes(data[::-1])
         assert hashes.range_digests(path, [(0, 10)]) == {(0, 10): hashlib.sha256(data[::-1][:10]).hexdigest()}
+
+
+def test_compile_verification_runs_every_generate_variant(tmp_path, monkeypatch):
+    """With four variants (80, 96, 112 and the capacity's 128) the probes start on 112 (33
+    tokens and R) and switch from 80 to 96; the one none of them reaches is run too (the short
+    prompt started on it, one step), so a fault there is caught before anything is published
+    (it was not)."""
+    _fault_in(monkeypatch, "generate-128", HalvePastValues())
+    options = dataclasses.replace(SMALL, variants=(80, 96, 112))
+    with pytest.raises(VerificationError, match="prompt of 33 tokens: token 1 differs"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
+    assert not (tmp_path / "out").exists()
