@@ -109,6 +109,7 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
+    from kvc.verify.cache_rows import source_rows
 
     kv_types = static.plan.kv_element_types
     reduced = reduced_precision(kv_types, "numpy")
@@ -117,21 +118,25 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
         ref = greedy(reference, prompt, n, keep_cache=True)
+        ref.cache = source_rows(ref.cache)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n,
                         **judge_run(ref, got, static.plan.kv, reduced=reduced, limit=limit, step_bound=bound)})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
 
 
-def judge_run(ref, got, kv, **policy) -> dict:
+def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "the source model's",
+              **policy) -> dict:
     """`judge`'s verdict on a run (`policy`: its precision arguments) and, when both runs kept
     their cache (`Generation.cache`), the cache check (`kvc.verify.cache_rows`) over the rows
     both fed: the prompt's, and each generated token's up to the first that differs; only the
     first layer's where the policy exempts a graph that selects from the step bound (a flipped
-    expert moves later layers' rows too). The row is a failure when either is; its reason is
-    the logits' unless only the cache failed."""
+    expert moves later layers' rows too). Both caches are by the static models' input names
+    (a source model's through `source_rows`); `row_bounds` replaces `ROW_ERROR`, `against` names
+    the reference in the reason. The row is a
+    failure when either is; its reason is the logits' unless only the cache failed."""
     from kvc.runtime.compare import STEP_ERROR, first_divergence, judge
-    from kvc.verify.cache_rows import compare_cache, source_rows
+    from kvc.verify.cache_rows import compare_cache
 
     verdict = judge(ref, got, **policy)
     row = verdict.to_dict()
@@ -140,7 +145,8 @@ def judge_run(ref, got, kv, **policy) -> dict:
     div = first_divergence(ref.tokens, got.tokens)
     rows = min(len(ref.prompt) + (len(ref.tokens) - 1 if div is None else div), getattr(got, "kv_rows", 0))
     every_layer = not policy.get("reduced") or policy.get("step_bound", STEP_ERROR) is not None
-    cache = compare_cache(source_rows(ref.cache), got.cache, kv, rows, every_layer=every_layer)
+    cache = compare_cache(ref.cache, got.cache, kv, rows, every_layer=every_layer, bounds=row_bounds,
+                          against=against)
     row.update(cache.to_dict())
     if verdict.ok and not cache.ok:
         row.update(ok=False, reason=cache.reason())
@@ -151,10 +157,13 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
                 selecting: bool = False) -> list[dict]:
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
-    numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision), else only
-    for finite logits. An import or inference failure raises DeviceError."""
+    numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision),
+    their cache rows too (`judge_run`: the blobs' rows against the IR's, bounded by
+    BLOB_ROW_ERROR where the blobs compute below f32; not for an int8 cache, `stored_rows`),
+    else only for finite logits. An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
-    from kvc.runtime.compare import count_nonfinite, judge, nrmse_limit, reduced_precision, step_limit
+    from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
@@ -162,6 +171,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     kv_types = pipe.plan.kv_element_types
     reduced = reduced_precision(kv_types, backend, config)
     limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
+    blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -184,7 +194,9 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            row.update(judge(ir_gens[i], got, reduced=reduced, limit=limit, step_bound=bound).to_dict())
+            got.cache = stored_rows(pipe, got.kv_rows)
+            row.update(judge_run(ir_gens[i], got, pipe.plan.kv, reduced=reduced, limit=limit, step_bound=bound,
+                                 row_bounds=blob_bounds, against="the IR's"))
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -236,7 +248,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.verify.cache_rows import held_rows
+    from kvc.verify.cache_rows import held_rows, source_rows
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -261,6 +273,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
             if (i, n) not in references:
                 references[(i, n)] = greedy(ref, prompt, n, keep_cache=True)
+                references[(i, n)].cache = source_rows(references[(i, n)].cache)
             got = pipe.generate(prompt, n)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
                 got.cache = held_rows(pipe, got.kv_rows)

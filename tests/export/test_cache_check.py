@@ -14,7 +14,7 @@ from kvc.runtime.compare import INT8_KV_NRMSE, judge
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import NumpySession, OpenVINOSession
 from kvc.runtime.static_pipeline import StaticPipeline
-from kvc.verify.cache_rows import ROW_ERROR, compare_cache, held_rows
+from kvc.verify.cache_rows import ROW_ERROR, compare_cache, held_rows, source_rows
 from kvc.verify.compiled import judge_run, probe_cases
 
 
@@ -71,7 +71,7 @@ def test_keys_read_back_with_other_scales_are_refused_where_the_logits_pass(name
     vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     (prompt, n, _), = probe_cases(sm.plan.lengths, vocab)
     ref, got = greedy(reference, prompt, n, keep_cache=True), pipe.generate(prompt, n)
-    got.cache = held_rows(pipe, got.kv_rows)
+    ref.cache, got.cache = source_rows(ref.cache), held_rows(pipe, got.kv_rows)
     assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE).ok  # what the logits alone say
     row = judge_run(ref, got, sm.plan.kv, reduced=True, limit=INT8_KV_NRMSE)
     assert not row["ok"] and "KV cache row" in row["reason"] and row["cache_error"] > 1.0
@@ -95,8 +95,36 @@ def test_a_stateless_source_gives_its_cache_by_input_name():
     stateful = OpenVINOSession(ir.load(fixtures.path("gpt2")))
     prompt = [5, 9, 100, 7, 3]
     a, b = greedy(onnx, prompt, 4, keep_cache=True), greedy(stateful, prompt, 4, keep_cache=True)
-    from kvc.verify.cache_rows import source_rows
-
     ra, rb = source_rows(a.cache), source_rows(b.cache)
     assert sorted(ra) == sorted(rb) and all(name.startswith("past_key_values.") for name in ra)
     assert compare_cache(rb, ra, specs(layers=2), len(prompt) + 3).ok
+
+
+@pytest.mark.parametrize("factor", [1.12])
+def test_a_blob_storing_other_rows_than_its_ir_is_never_published(tmp_path, monkeypatch, factor):
+    """The blob check compares the blobs' cache rows with the IR's: CPU blobs whose generate
+    models store layer 0's value rows `factor` times too large (the IR's are right) keep the
+    IR's tokens and logits within the reduced-precision rules, and are refused for their rows."""
+    import openvino.opset13 as ops
+
+    import kvc.export.compile as compile_mod
+    from kvc.errors import VerificationError
+    from kvc.export.compile import CompileOptions, compile_to
+
+    real = compile_mod.embed_small_constants
+
+    def faulty(model):
+        real(model)
+        for result in model.get_results():
+            if "present.0.value" in result.output(0).get_names() and model.input("input_ids").get_shape()[1] == 1:
+                source = result.input_value(0)
+                scale = ops.convert(ops.constant(np.float32(factor)), source.get_element_type())
+                result.input(0).replace_source_output(ops.multiply(source, scale).output(0))
+
+    monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch applies to this process only
+    monkeypatch.setattr(compile_mod, "embed_small_constants", faulty)
+    options = CompileOptions(StaticOptions(64, 32, prefill_chunk_size=16, kv_precision="bf16"), devices=("CPU",))
+    with pytest.raises(VerificationError, match=r"the CPU blobs do not reproduce the static IR: .*KV cache row \d+ "
+                                                r"of past_key_values\.0\.value is not the IR's"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
