@@ -8,14 +8,13 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.export.build import build_static
 from kvc.plan import KVSpec, StaticOptions
 from kvc.runtime.compare import INT8_KV_NRMSE, judge
 from kvc.runtime.generate import greedy
-from kvc.runtime.session import NumpySession, OpenVINOSession
-from kvc.runtime.static_pipeline import StaticPipeline
-from kvc.verify.cache_rows import ROW_ERROR, compare_cache, held_rows, source_rows
-from kvc.verify.compiled import judge_run, probe_cases
+from kvc.runtime.session import OpenVINOSession
+from kvc.verify.cache_rows import ROW_ERROR, compare_cache, source_rows
+from kvc.verify.compiled import judge_run
+from tests.passes.test_kv_int8 import put_back_the_unchunked_prefill_bug, unchunked_int8_probe
 
 
 def specs(element_type="f32", layers=2):
@@ -58,31 +57,14 @@ def test_keys_read_back_with_other_scales_are_refused_where_the_logits_pass(name
     calibrated channels the generate models multiply them by. On falcon and gptj every step's
     logits stayed within the per-step bound and the flip within the noise (compile's check
     said OK); their cache rows are off by 1.5-1.7 of their RMS (int8's bound: 0.15)."""
-    from kvc.passes.kv_io import KVIO
-
-    read = KVIO._channel_magnitudes
-    monkeypatch.setattr(KVIO, "_channel_magnitudes", staticmethod(
-        lambda c: None if c.param.get_output_partial_shape(0)[c.tensor.seq_axis].get_length() == 0 else read(c)))
-    sm = build_static(ir.load(fixtures.path(name)), StaticOptions(64, 32, prefill_chunk_size=0, kv_precision="i8"),
-                      use_env=False)
-    pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
-                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
-    reference = OpenVINOSession(ir.load(fixtures.path(name)))
-    vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    (prompt, n, _), = probe_cases(sm.plan.lengths, vocab)
-    ref, got = greedy(reference, prompt, n, keep_cache=True), pipe.generate(prompt, n)
-    ref.cache, got.cache = source_rows(ref.cache), held_rows(pipe, got.kv_rows)
+    put_back_the_unchunked_prefill_bug(monkeypatch)
+    kv, ref, got = unchunked_int8_probe(name, 32)
     assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE).ok  # what the logits alone say
-    row = judge_run(ref, got, sm.plan.kv, reduced=True, limit=INT8_KV_NRMSE)
+    row = judge_run(ref, got, kv, reduced=True, limit=INT8_KV_NRMSE)
     assert not row["ok"] and "KV cache row" in row["reason"] and row["cache_error"] > 1.0
     monkeypatch.undo()  # and the fixed pass passes
-    sm = build_static(ir.load(fixtures.path(name)), StaticOptions(64, 32, prefill_chunk_size=0, kv_precision="i8"),
-                      use_env=False)
-    pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
-                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
-    got = pipe.generate(prompt, n)
-    got.cache = held_rows(pipe, got.kv_rows)
-    row = judge_run(ref, got, sm.plan.kv, reduced=True, limit=INT8_KV_NRMSE)
+    kv, ref, got = unchunked_int8_probe(name, 32)
+    row = judge_run(ref, got, kv, reduced=True, limit=INT8_KV_NRMSE)
     assert row["ok"] and row["cache_ok"] and row["cache_error"] < 0.05, row["reason"]
 
 

@@ -115,28 +115,44 @@ def test_an_unchunked_prefill_quantizes_keys_as_the_generate_models_read_them(na
         assert verdict.ok, f"prompt of {len(prompt)} tokens: {verdict.reason}"
 
 
-@pytest.mark.parametrize("name", ["gpt_bigcode", "opt", "stablelm"])
-def test_the_check_refuses_keys_read_back_with_other_scales(name, monkeypatch):
-    """The unchunked-prefill bug above, put back: the prefill quantizes its keys without the
-    calibrated channels. On these fixtures the aggregate NRMSE stayed under int8's bound and
-    the wrong step's own error excused the flipped token as noise, so compile's check said OK;
-    the step's error against the spread of its logits (0.43-0.46 here) refuses it."""
+def put_back_the_unchunked_prefill_bug(monkeypatch) -> None:
+    """kvc's old int8 bug: an unchunked prefill quantizes its keys without the calibrated
+    channels the generate models multiply them by (the test above is its fix)."""
     from kvc.passes.kv_io import KVIO
-    from kvc.runtime.generate import greedy
-    from kvc.runtime.session import OpenVINOSession
-    from kvc.verify.compiled import probe_cases
 
     read = KVIO._channel_magnitudes
     monkeypatch.setattr(KVIO, "_channel_magnitudes", staticmethod(
         lambda c: None if c.param.get_output_partial_shape(0)[c.tensor.seq_axis].get_length() == 0 else read(c)))
-    sm = build_static(ir.load(fixtures.path(name)), StaticOptions(P, P, prefill_chunk_size=0, kv_precision="i8"),
-                      use_env=False)
+
+
+def unchunked_int8_probe(name: str, response: int):
+    """Compile's probe through an unchunked int8 pipeline on kvc's runtime and through the
+    source on OpenVINO CPU: (the plan's KV specs, the reference, the run), each with its cache."""
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import OpenVINOSession
+    from kvc.verify.cache_rows import held_rows, source_rows
+    from kvc.verify.compiled import probe_cases
+
+    sm = build_static(ir.load(fixtures.path(name)),
+                      StaticOptions(P, response, prefill_chunk_size=0, kv_precision="i8"), use_env=False)
     pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
                           {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
-    reference = OpenVINOSession(ir.load(fixtures.path(name)))
     vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     (prompt, n, _), = probe_cases(sm.plan.lengths, vocab)
-    ref, got = greedy(reference, prompt, n), pipe.generate(prompt, n)
+    ref = greedy(OpenVINOSession(ir.load(fixtures.path(name))), prompt, n, keep_cache=True)
+    got = pipe.generate(prompt, n)
+    ref.cache, got.cache = source_rows(ref.cache), held_rows(pipe, got.kv_rows)
+    return sm.plan.kv, ref, got
+
+
+@pytest.mark.parametrize("name", ["gpt_bigcode", "opt", "stablelm"])
+def test_the_check_refuses_keys_read_back_with_other_scales(name, monkeypatch):
+    """The unchunked-prefill bug above, put back. On these fixtures the aggregate NRMSE stayed
+    under int8's bound and the wrong step's own error excused the flipped token as noise, so
+    compile's check said OK; the step's error against the spread of its logits (0.43-0.46
+    here) refuses it."""
+    put_back_the_unchunked_prefill_bug(monkeypatch)
+    _, ref, got = unchunked_int8_probe(name, P)
     assert judge(ref, got, reduced=True, limit=INT8_KV_NRMSE, step_bound=None).ok  # what the aggregate alone said
     verdict = judge(ref, got, reduced=True, limit=INT8_KV_NRMSE)
     assert not verdict.ok and "logits are not the reference's" in verdict.reason
