@@ -69,9 +69,11 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
         return
     report = verify_compiled(out, against=against, backends=backend_list, prompts=prompts,
                              new_tokens=max_new_tokens, reference_backend=reference, from_ir=from_ir)
-    _finish(report, as_json, ["backend", "prompt", "tokens", "max abs", "NRMSE", "top-1", "first divergent", "result"],
+    _finish(report, as_json, ["backend", "prompt", "tokens", "max abs", "NRMSE", "top-1", "first divergent",
+                              "KV rows", "result"],
             lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], f"{r['max_abs']:.2g}", f"{r['nrmse']:.2g}",
-                       f"{r['top1']:.2f}", _dash(r["first_divergent_token"]), r["reason"]))
+                       f"{r['top1']:.2f}", _dash(r["first_divergent_token"]),
+                       f"{r['cache_error']:.2g}" if "cache_error" in r else "-", r["reason"]))
 
 
 def _dash(v):
