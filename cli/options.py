@@ -188,28 +188,19 @@ def static_options(f):
     return f
 
 
-def make_static_options(max_prompt_len, min_response_len, prefill_chunk_size, variants, kv_precision, transpose_v,
-                        slice_logits, beam, attention, passes_):
-    from kvc.plan import StaticOptions
-
-    return StaticOptions(max_prompt_len, min_response_len, prefill_chunk_size, parse_variants(variants),
-                         {"int8": "i8"}.get(kv_precision, kv_precision), transpose_v, slice_logits, beam, passes_,
-                         attention)
-
-
 STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",
                "slice_logits", "beam", "attention", "passes_")
 
 
 def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):
     """The StaticOptions of the command's options; `auto` values resolved for `devices` and
-    the CPU blobs' `precision`."""
-    from kvc.export.compile import resolve_attention, resolve_chunk, resolve_kv
+    the CPU blobs' `precision` (`compile_static`, what the library offers for the same)."""
+    from kvc.export.compile import compile_static
 
-    kwargs["prefill_chunk_size"] = resolve_chunk(kwargs["prefill_chunk_size"], devices, precision)
-    kwargs["kv_precision"] = resolve_kv(kwargs["kv_precision"], devices, precision)
-    kwargs["attention"] = resolve_attention(kwargs["attention"], devices)
-    return make_static_options(*(kwargs.pop(k) for k in STATIC_KEYS))
+    fields = {k.rstrip("_"): kwargs.pop(k) for k in STATIC_KEYS}
+    fields["variants"] = parse_variants(fields["variants"])
+    fields["kv_precision"] = {"int8": "i8"}.get(fields["kv_precision"], fields["kv_precision"])
+    return compile_static(devices, precision, **fields)
 
 
 def ir_print_options(f):

@@ -138,6 +138,17 @@ def resolve_attention(value: str, devices=("CPU",)) -> str:
     return "split-past" if set(devices) <= {"CPU"} else "grouped"
 
 
+def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
+    """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`): the
+    `fields` given, and the prefill chunk, KV type and attention, unless given, resolved as its
+    `auto` (`resolve_chunk`, `resolve_kv`, `resolve_attention`). `StaticOptions()` itself keeps
+    the library's plain defaults (no chunk, an exact f32 cache, grouped attention)."""
+    fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
+    fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
+    fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
+    return StaticOptions(**fields)
+
+
 def auto_cache(device: str, precision: str) -> dict:
     """What `kvc compile` builds for `device` with --kv-precision and --attention left at auto
     (CPU blobs at `precision`): the form `kvc plan` measures its costs on."""

@@ -676,3 +676,19 @@ def test_compile_verification_runs_every_generate_variant(tmp_path, monkeypatch)
     with pytest.raises(VerificationError, match="prompt of 33 tokens: token 1 differs"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_library_builds_what_kvc_compile_builds(tmp_path):
+    """compile_static resolves the prefill chunk, KV type and attention as `kvc compile` does:
+    the same source gives the same plan and byte-identical models either way."""
+    from kvc.export.compile import compile_static
+    from tests.cli.runner import kvc
+
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "cli", "--max-prompt-len", "64", "--min-response-len", "64")
+    compile_to(fixtures.path("llama"), tmp_path / "lib",
+               CompileOptions(compile_static(max_prompt_len=64, min_response_len=64)))
+    cli, lib = (json.loads((tmp_path / side / "manifest.json").read_text()) for side in ("cli", "lib"))
+    assert cli["plan"] == lib["plan"] and cli["plan"]["kv"][0]["element_type"] == lib["plan"]["kv"][0]["element_type"]
+    for entry in cli["models"].values():
+        assert (tmp_path / "cli" / entry["xml"]).read_bytes() == (tmp_path / "lib" / entry["xml"]).read_bytes()
+    assert StaticOptions().kv_precision == "f32" and compile_static(("NPU",)).kv_precision == "f16"
