@@ -34,8 +34,9 @@ class Generation:
     tokens: list[int] = field(default_factory=list)  # generated, prompt excluded
     logits: list[np.ndarray] = field(default_factory=list)  # [V] per step: what chose each token
     first_logits: np.ndarray | None = None  # [S, V] of the prefill step
-    # The cache after the run, when asked for (`greedy(keep_cache=True)`): a stateful session's
-    # variables by variable id, a stateless one's last past by input name.
+    # The cache after the run, when kept: `greedy(keep_cache=True)` gives a stateful session's
+    # variables by variable id, a stateless one's last past by input name; the checks hold every
+    # cache by the static models' input names (kvc.verify.cache_rows).
     cache: dict[str, np.ndarray] | None = None
 
 

@@ -86,7 +86,6 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     from pathlib import Path
 
     from kvc.export.load import pipeline_from
-
     from kvc.verify.cache_rows import held_rows
 
     pipeline = pipeline_from(Path(directory), manifest, "numpy")
@@ -133,8 +132,8 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
     first layer's where the policy exempts a graph that selects from the step bound (a flipped
     expert moves later layers' rows too). Both caches are by the static models' input names
     (a source model's through `source_rows`); `row_bounds` replaces `ROW_ERROR`, `against` names
-    the reference in the reason. The row is a
-    failure when either is; its reason is the logits' unless only the cache failed."""
+    the reference in the reason. The row is a failure when either is; its reason is the
+    logits' unless only the cache failed."""
     from kvc.runtime.compare import STEP_ERROR, first_divergence, judge
     from kvc.verify.cache_rows import compare_cache
 
