@@ -196,7 +196,7 @@ class KVIO(Pass):
             value = ops.multiply(ops.convert(q, f32), ops.convert(scale, f32)).output(0)
             if channels is not None:
                 value = ops.multiply(value, channels).output(0)
-            value.get_node().set_friendly_name(f"{t.input_name}/dequantize")
+            value.get_node().set_friendly_name(dequantize_name(t.input_name))
             if old.get_element_type() != f32:
                 value = ops.convert(value, old.get_element_type()).output(0)
             rewired = [u.get_node() for u in old.get_target_inputs()]
@@ -272,6 +272,13 @@ def scale_name(name: str) -> str:
     """The scales of an int8 KV input or output: past_key_values.N.key -> past_key_values.N.key_scale
     (a name KV discovery does not take for a cache tensor)."""
     return f"{name}_scale"
+
+
+def dequantize_name(name: str) -> str:
+    """The friendly name of the node that dequantizes an int8 KV input (``q * scale``, times the
+    key channels): what the model's attention reads of that input (kvc.verify.cache_rows reads
+    the cache back through it)."""
+    return f"{name}/dequantize"
 
 
 def _reroute(result: ov.Node, value: ov.Output) -> None:

@@ -76,27 +76,30 @@ def source_rows(cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for name, v in cache.items()}
 
 
+def source_run(session, prompt, new_tokens: int):
+    """Greedy decoding on the source model (`greedy`), its cache kept by the static models'
+    input names (`source_rows`): the reference of the cache check."""
+    from kvc.runtime.generate import greedy
+
+    gen = greedy(session, prompt, new_tokens, keep_cache=True)
+    gen.cache = source_rows(gen.cache)
+    return gen
+
+
 def held_rows(pipe, rows: int) -> dict[str, np.ndarray]:
     """The first `rows` positions of every KV tensor a static pipeline on kvc's interpreter
     holds, as f32 read the way its generate models read them (module docstring): copies, which
     the next run does not overwrite."""
-    scaled = {spec.input for spec in pipe.kv if spec.kind.endswith("_scale")}
-    held = {}
-    for spec in pipe.kv:
-        if spec.kind.endswith("_scale"):
-            continue
-        view = pipe.past_view(spec, rows)
-        held[spec.input] = np.array(view, np.float32) if f"{spec.input}_scale" not in scaled else None
-    quantized = [name for name, v in held.items() if v is None]
-    if quantized:
-        held.update(_dequantized(pipe, quantized, rows))
-    return held
+    stored = stored_rows(pipe, rows)
+    if stored is not None:
+        return stored
+    return _dequantized(pipe, [spec.input for spec in pipe.kv if not spec.kind.endswith("_scale")], rows)
 
 
 def stored_rows(pipe, rows: int) -> dict[str, np.ndarray] | None:
-    """The first `rows` positions of every KV tensor any static pipeline holds, as f32, for the
-    blob check's comparison with the IR's `held_rows`; None for an int8 cache (its rows are
-    read through the generate models' dequantization, which only kvc's interpreter exposes)."""
+    """The first `rows` positions of every KV tensor any static pipeline holds, as f32 copies:
+    the rows as read for an f32, f16 or bf16 cache; None for an int8 cache (its rows are read
+    through the generate models' dequantization, which only kvc's interpreter exposes)."""
     if any(spec.kind.endswith("_scale") for spec in pipe.kv):
         return None
     return {spec.input: np.array(pipe.past_view(spec, rows), np.float32) for spec in pipe.kv}
@@ -104,9 +107,10 @@ def stored_rows(pipe, rows: int) -> dict[str, np.ndarray] | None:
 
 def _dequantized(pipe, names: list[str], rows: int) -> dict[str, np.ndarray]:
     """int8 rows as the largest generate model dequantizes them: one step of it on kvc's
-    interpreter, capturing each input's ``<input>/dequantize`` value (what feeds its attention)."""
+    interpreter, capturing each input's `dequantize_name` value (what feeds its attention)."""
     from kvc.errors import VerificationError
     from kvc.ir.naming import name_model
+    from kvc.passes.kv_io import dequantize_name
     from kvc.runtime.static_pipeline import StaticPipeline
 
     size = max(pipe.generate_sessions)
@@ -116,9 +120,10 @@ def _dequantized(pipe, names: list[str], rows: int) -> dict[str, np.ndarray]:
     nodes = {op.get_friendly_name(): op for op in model.get_ops()}
     wanted = {}
     for name in names:
-        node = nodes.get(f"{name}/dequantize")
+        node = nodes.get(dequantize_name(name))
         if node is None:
-            raise VerificationError(f"generate-{size} has no {name}/dequantize node: cannot read its int8 cache back")
+            raise VerificationError(f"generate-{size} has no {dequantize_name(name)} node: cannot read its int8 "
+                                    f"cache back")
         wanted[naming.value(node.output(0))] = name
     G = pipe.lengths.tokens
     mask = np.zeros((1, size), np.int64)

@@ -107,8 +107,7 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     would make the source and the static models wrong the same way and the check pass (it
     did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
-    from kvc.runtime.generate import greedy
-    from kvc.verify.cache_rows import source_rows
+    from kvc.verify.cache_rows import source_run
 
     kv_types = static.plan.kv_element_types
     reduced = reduced_precision(kv_types, "numpy")
@@ -116,10 +115,9 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     bound = step_limit(kv_types, selecting)
     results = []
     for (prompt, n, _), got in zip(cases, ir_gens):
-        ref = greedy(reference, prompt, n, keep_cache=True)
-        ref.cache = source_rows(ref.cache)
         results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n,
-                        **judge_run(ref, got, static.plan.kv, reduced=reduced, limit=limit, step_bound=bound)})
+                        **judge_run(source_run(reference, prompt, n), got, static.plan.kv, reduced=reduced,
+                                    limit=limit, step_bound=bound)})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
 
@@ -245,9 +243,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
-    from kvc.runtime.generate import greedy
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.verify.cache_rows import held_rows, source_rows
+    from kvc.verify.cache_rows import held_rows, source_run
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -271,8 +268,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         for i, prompt in enumerate(prompts):
             n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
             if (i, n) not in references:
-                references[(i, n)] = greedy(ref, prompt, n, keep_cache=True)
-                references[(i, n)].cache = source_rows(references[(i, n)].cache)
+                references[(i, n)] = source_run(ref, prompt, n)
             got = pipe.generate(prompt, n)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
                 got.cache = held_rows(pipe, got.kv_rows)

@@ -10,9 +10,8 @@ import kvc.ir as ir
 from kvc import fixtures
 from kvc.plan import KVSpec, StaticOptions
 from kvc.runtime.compare import INT8_KV_NRMSE, judge
-from kvc.runtime.generate import greedy
 from kvc.runtime.session import OpenVINOSession
-from kvc.verify.cache_rows import ROW_ERROR, compare_cache, source_rows
+from kvc.verify.cache_rows import ROW_ERROR, compare_cache, source_run
 from kvc.verify.compiled import judge_run
 from tests.passes.test_kv_int8 import put_back_the_unchunked_prefill_bug, unchunked_int8_probe
 
@@ -70,14 +69,13 @@ def test_keys_read_back_with_other_scales_are_refused_where_the_logits_pass(name
 
 def test_a_stateless_source_gives_its_cache_by_input_name():
     """The ONNX export runs stateless (its past fed back as inputs): its cache is the last past,
-    and the compiled pipeline's rows match it."""
+    named as the stateful export's variables are (`source_run`), and holds the same rows."""
     from kvc.runtime.session import open_session
 
     onnx = open_session(fixtures.path("gpt2", "onnx"), "onnxruntime")
     stateful = OpenVINOSession(ir.load(fixtures.path("gpt2")))
     prompt = [5, 9, 100, 7, 3]
-    a, b = greedy(onnx, prompt, 4, keep_cache=True), greedy(stateful, prompt, 4, keep_cache=True)
-    ra, rb = source_rows(a.cache), source_rows(b.cache)
+    ra, rb = (source_run(session, prompt, 4).cache for session in (onnx, stateful))
     assert sorted(ra) == sorted(rb) and all(name.startswith("past_key_values.") for name in ra)
     assert compare_cache(rb, ra, specs(layers=2), len(prompt) + 3).ok
 

@@ -128,9 +128,8 @@ def put_back_the_unchunked_prefill_bug(monkeypatch) -> None:
 def unchunked_int8_probe(name: str, response: int):
     """Compile's probe through an unchunked int8 pipeline on kvc's runtime and through the
     source on OpenVINO CPU: (the plan's KV specs, the reference, the run), each with its cache."""
-    from kvc.runtime.generate import greedy
     from kvc.runtime.session import OpenVINOSession
-    from kvc.verify.cache_rows import held_rows, source_rows
+    from kvc.verify.cache_rows import held_rows, source_run
     from kvc.verify.compiled import probe_cases
 
     sm = build_static(ir.load(fixtures.path(name)),
@@ -139,9 +138,8 @@ def unchunked_int8_probe(name: str, response: int):
                           {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
     vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     (prompt, n, _), = probe_cases(sm.plan.lengths, vocab)
-    ref = greedy(OpenVINOSession(ir.load(fixtures.path(name))), prompt, n, keep_cache=True)
-    got = pipe.generate(prompt, n)
-    ref.cache, got.cache = source_rows(ref.cache), held_rows(pipe, got.kv_rows)
+    ref, got = source_run(OpenVINOSession(ir.load(fixtures.path(name))), prompt, n), pipe.generate(prompt, n)
+    got.cache = held_rows(pipe, got.kv_rows)
     return sm.plan.kv, ref, got
 
 
