@@ -4,8 +4,9 @@ Each side is compiled by `kvc compile MODEL -o OUT <its flags>` (in a fresh proc
 and B's, either may be empty: the defaults), then served by bench/default_path.py's `kvc`
 child, each side alone in a fresh process, the two back to back in each round and the first
 alternating: TTFT at 16, 100, 512 and 1000 tokens and the median decode step after a
-512-token prompt. Prints each round and the median of the rounds' B/A ratios (the machine is
-shared: read ratios, not times).
+512-token prompt; and the peak RSS of opening OUT (`open_compiled`, a fresh process each).
+Prints each round and the median of the rounds' B/A ratios (the machine is shared: read
+ratios, not times).
 
     python bench/compile_ab.py --a "--kv-precision f16 --attention grouped" --b "" --rounds 4
 """
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
         for i in range(args.rounds):
             for side in in_turn(i, "A", "B"):
                 runs[side].append(run_child("kvc", args.model, outs[side]))
+                runs[side][-1]["open"] = run_child("kvc-open", args.model, outs[side])
                 print(side, json.dumps(runs[side][-1]), flush=True)
 
     def ratio(get):
@@ -54,6 +56,9 @@ def main(argv=None) -> int:
     get = lambda r: r["step_s"]  # noqa: E731
     print(f"decode step:      A {1e3 * statistics.median(map(get, runs['A'])):.2f} ms, "
           f"B {1e3 * statistics.median(map(get, runs['B'])):.2f} ms, B/A {ratio(get):.3f}")
+    get = lambda r: r["open"]["peak_rss_mb"]  # noqa: E731
+    print(f"opening, peak RSS: A {statistics.median(map(get, runs['A'])):.0f} MB, "
+          f"B {statistics.median(map(get, runs['B'])):.0f} MB, B/A {ratio(get):.3f}")
     return 0
 
 

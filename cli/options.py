@@ -177,9 +177,13 @@ def static_options(f):
         click.option("--attention", type=click.Choice(["auto", "grouped", "split-past", "sdpa"]), default="auto",
                      show_default=True,
                      help="grouped: attention as MatMuls over the unexpanded GQA cache (no per-step copy of "
-                          "the cache); split-past: grouped, and the generate models read the past and the new "
+                          "the cache); split-past: grouped, and every model with a past reads it and the new "
                           "rows apart (no Concat of the cache every step); sdpa: keep ScaledDotProductAttention. "
                           "auto: split-past when compiling for CPU only, else grouped."),
+        click.option("--prefill-mlp", type=click.Choice(["auto", "rows", "as-is"]), default="auto", show_default=True,
+                     help="rows: the prefill models' gated MLPs multiply 2-D rows, which the CPU plugin does not "
+                          "fuse into LLMMLP (which keeps an f16 copy of f32 MLP weights beside its own: 2 "
+                          "bytes per MLP weight); as-is: as exported. auto: rows when compiling for CPU only at bf16."),
         click.option("--passes", "passes_", default=None, metavar="PIPELINE",
                      help="Common pipeline run before static shaping, e.g. 'lift-state,fuse-kvcache'."),
     ]
@@ -189,7 +193,7 @@ def static_options(f):
 
 
 STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",
-               "slice_logits", "beam", "attention", "passes_")
+               "slice_logits", "beam", "attention", "prefill_mlp", "passes_")
 
 
 def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):

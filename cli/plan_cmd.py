@@ -15,13 +15,13 @@ from kvc.cli.render import echo_json, human_bytes, table
 
 def costs_cache(path: Path, device: str, precision: str) -> Path:
     """Where measured costs are kept: per model files, device, precision, the KV cache's type,
-    the attention's form and OpenVINO version."""
+    the attention's and prefill MLP's forms and OpenVINO version."""
     from kvc.export.compile import auto_cache
     from kvc.export.manifest import openvino_version, source_hashes
 
     cache = auto_cache(device, precision)
     key = json.dumps([source_hashes(path), device, precision, openvino_version(), cache["kv_precision"],
-                      cache["attention"]], sort_keys=True)
+                      cache["attention"], cache["prefill_mlp"]], sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -38,6 +38,8 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
         t["kv_precision"] = "f32"
     if t and "attention" not in t:  # measured before costs recorded it: grouped
         t["attention"] = "grouped"
+    if t and "prefill_mlp" not in t:  # measured before costs recorded it: as exported
+        t["prefill_mlp"] = "as-is"
     expected = (("device", device), ("precision", precision), *auto_cache(device, precision).items())
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):

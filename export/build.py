@@ -5,8 +5,9 @@
                     ├─ static-shape{prefill B}  → tail ─► "prefill-B" (per bulk chunk B)
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
-    tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention]
-          (attention "split-past": group-attention{split_past=true} in the generate branches)
+    tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention] [→ mlp-rows]
+          (attention "split-past": group-attention{split_past=true} in every branch;
+          prefill_mlp "rows": mlp-rows in the prefill branches)
 
 The pass objects are built from the typed options (`branch_passes`); pipeline text is only
 what users type (`--passes`) and what the manifest and dumps record.
@@ -34,6 +35,7 @@ from kvc.passes.kv_io import KVIO, scale_name
 from kvc.passes.lift_state import LiftState
 from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
+from kvc.passes.mlp_rows import MlpRows
 from kvc.passes.rotate_half_rope import RotateHalfRope
 from kvc.passes.static_shape import StaticShape
 from kvc.passes.unmask_pad_rows import UnmaskPadRows
@@ -65,9 +67,10 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,
                      slice_logits=prefill and options.slice_logits)
-        split = options.attention == "split-past" and not prefill
+        split = options.attention == "split-past"
         grouped = [GroupAttention(split_past=split)] if options.attention in ("grouped", "split-past") else []
-        return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped]
+        rows = [MlpRows()] if prefill and options.prefill_mlp == "rows" else []
+        return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped, *rows]
 
     branches = {"prefill": [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=lengths.chunk), *tail(True)]}
     for chunk in lengths.bulk:

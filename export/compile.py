@@ -83,16 +83,17 @@ def blob_name(model: str, device: str) -> str:
 PRECISIONS = ("auto", "f32", "bf16", "f16")
 
 
-# The CPU's default prefill chunks, measured on the 250M Llama (docs/benchmarks.md). The chunk:
-# the best worst-case TTFT of one size against the stateful model over prompts of 16 to 1000
-# tokens (bench/ttft.py). A call costs a pass over the weights plus its tokens' work, so the
-# cheaper a token's arithmetic, the larger the chunk: at f32 (AVX2 host) 32 (1.82x; 16: 2.25x,
-# 64: 3.11x; the whole 1024-token prefill was 45x at 16 tokens); at bf16 (AMX host) 64 (2.36x;
-# 32: 2.61x, 128: 3.15x). The bulk chunk of 512 takes long prompts in fewer passes over the
-# weights (each engine in its own process, bench/default_path.py; bf16: 512 tokens 1.85x ->
-# 1.10-1.14x, 1000 tokens 1.75x -> 1.04-1.08x; f32: 1.69x -> 0.92x, 1.48x -> 0.85x); it is
-# dropped where P is not above it.
-CPU_CHUNK = {"f32": (32, 512), "bf16": (64, 512), "f16": (64, 512)}
+# The CPU's default prefill chunks, measured on the 250M Llama (docs/benchmarks.md). A call
+# costs a pass over the weights plus its rows' work, and on the CPU every prefill size is a
+# compiled model holding its own packed weights. At f32 (AVX2 host) one chunk of 32 (the best
+# worst-case TTFT of one size over prompts of 16 to 1000 tokens, bench/ttft.py: 1.82x; 16:
+# 2.25x, 64: 3.11x) and a bulk chunk of 512 for long prompts (512 tokens 1.69x -> 0.92x, 1000
+# 1.48x -> 0.85x). At bf16 (AMX host) 16, 128 and 512: a short prompt takes one 16-row call, a
+# 100-token one a 128-row call (against one chunk of 64 and 512: 16 tokens 0.61x, 100 tokens
+# 0.71x, bench/compile_ab.py), affordable since the prefill models' MLPs stay off LLMMLP and
+# its second copy of the weights (mlp-rows: opening 1761 -> 2194 MB for the third prefill
+# model, 1.39x the stateful model's 1575). Bulk chunks are dropped where P is not above them.
+CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128, 512), "f16": (16, 128, 512)}
 
 
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
@@ -130,29 +131,40 @@ def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
 
 
 def resolve_attention(value: str, devices=("CPU",)) -> str:
-    """--attention auto: "split-past" when every device is the CPU (a generate step reads the
-    past in place instead of through a Concat, group-attention's split_past), else "grouped"
+    """--attention auto: "split-past" when every device is the CPU (a generate step or prefill
+    chunk reads the past in place instead of through a Concat, group-attention's split_past), else "grouped"
     (the NPU's graphs keep the Concat: no NPU here to measure a change on)."""
     if value != "auto":
         return value
     return "split-past" if set(devices) <= {"CPU"} else "grouped"
 
 
+def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") -> str:
+    """--prefill-mlp auto: "rows" when every device is the CPU and its blobs compute at bf16
+    (where the CPU plugin fuses gated MLPs into LLMMLP: passes/mlp_rows.py), else "as-is"."""
+    if value != "auto":
+        return value
+    return "rows" if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16" else "as-is"
+
+
 def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`): the
-    `fields` given, and the prefill chunk, KV type and attention, unless given, resolved as its
-    `auto` (`resolve_chunk`, `resolve_kv`, `resolve_attention`). `StaticOptions()` itself keeps
-    the library's plain defaults (no chunk, an exact f32 cache, grouped attention)."""
+    `fields` given, and the prefill chunk, KV type, attention and prefill MLP form, unless
+    given, resolved as its `auto` (`resolve_chunk`, `resolve_kv`, `resolve_attention`,
+    `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
+    chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
     fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
+    fields["prefill_mlp"] = resolve_prefill_mlp(fields.get("prefill_mlp", "auto"), devices, precision)
     return StaticOptions(**fields)
 
 
 def auto_cache(device: str, precision: str) -> dict:
-    """What `kvc compile` builds for `device` with --kv-precision and --attention left at auto
-    (CPU blobs at `precision`): the form `kvc plan` measures its costs on."""
-    return {"kv_precision": resolve_kv("auto", (device,), precision), "attention": resolve_attention("auto", (device,))}
+    """What `kvc compile` builds for `device` with --kv-precision, --attention and --prefill-mlp
+    left at auto (CPU blobs at `precision`): the form `kvc plan` measures its costs on."""
+    return {"kv_precision": resolve_kv("auto", (device,), precision), "attention": resolve_attention("auto", (device,)),
+            "prefill_mlp": resolve_prefill_mlp("auto", (device,), precision)}
 
 
 def check_kv(value: str, devices) -> None:

@@ -39,9 +39,12 @@ class StaticOptions:
     slice_logits: bool = True  # NPUW slices prefill logits to the last token (or cuts the head)
     beam: str = "drop"
     passes: str | None = None  # the common pipeline as text; default: lift-state
-    # "grouped": group-attention rewrites SDPA; "split-past": the same, and the generate models
-    # read the past and the new rows apart (group-attention{split_past=true}); "sdpa": kept as is
+    # "grouped": group-attention rewrites SDPA; "split-past": the same, and every model with a
+    # past reads it and the new rows apart (group-attention{split_past=true}); "sdpa": kept as is
     attention: str = "grouped"
+    # "rows": the prefill models' gated MLPs multiply 2-D rows (mlp-rows), which the CPU
+    # plugin keeps off its LLMMLP fusion and its second copy of the weights; "as-is": kept
+    prefill_mlp: str = "as-is"
     max_positions: int | None = None  # the positions the model was built for (its config.json), when known
 
     def __post_init__(self) -> None:

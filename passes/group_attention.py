@@ -17,18 +17,20 @@ is head h // rep of the cache, exactly as the Unsqueeze/Broadcast/Reshape built 
 result is the specification's (`tests/passes/test_group_attention.py` checks it on every
 fixture). Needs static shapes (run after static-shape).
 
-`split_past=true` (the generate steps of CPU-only compiles): where the keys and values are each
-a Concat of the past and this step's rows, attention reads the two apart instead of the
-concatenation, so a step never copies the whole past (OpenVINO CPU materializes the Concat,
-converting the past into it, every step):
+`split_past=true` (the models of CPU-only compiles): where the keys and values are each a
+Concat of the past and this call's rows, attention reads the two apart instead of the
+concatenation, so a call never copies the whole past (OpenVINO CPU materializes the Concat,
+converting the past into it, every call):
 
     s = concat(q5 @ k_past^T, q5 @ k_new^T) * scale + bias;  w_past, w_new = split(softmax(s))
     out = w_past @ v_past + w_new @ v_new
 
 The same scores, softmax and weighted sum, summed in two parts. On the 250M Llama a generate
-step took 24.5 ms against 25.9 with the Concat (bf16 cache; bench/attention_forms.py); a
-prefill chunk took longer (64 rows: 50.6 against 48.5 ms: its score Concat is larger than the
-key Concat it saves), so prefill models keep the Concat (docs/kv-precision.md).
+step took 24.5 ms against 25.9 with the Concat (bf16 cache; bench/attention_forms.py). Prefill
+chunks gain too since their MLPs run apart from LLMMLP (mlp-rows; before, a 64-row chunk took
+50.6 against 48.5 ms split): a chunk of 16 / 64 / 128 / 512 rows 44.3 / 71.1 / 118.7 / 340 ms
+against 52.3 / 74.2 / 124.8 / 348 ms with the Concat, in one process alternating, on a slow
+phase of the host (docs/kv-precision.md).
 """
 
 from __future__ import annotations

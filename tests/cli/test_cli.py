@@ -39,28 +39,29 @@ def test_compile_summary_and_outputs(compiled):
 
 
 @pytest.mark.parametrize("args, chunk", [((), "host"), (("--inference-precision", "f32"), 32),
-                                         (("--inference-precision", "bf16"), 64), (("--device", "NPU"), 0),
+                                         (("--inference-precision", "bf16"), 16), (("--device", "NPU"), 0),
                                          (("--device", "CPU", "--device", "NPU"), 0),
-                                         (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "16"), 16)])
+                                         (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "64"), 64)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
-    """auto: the CPU's measured chunk for the blobs' arithmetic (bench/ttft.py: 32 at f32, 64 at
-    bf16; by default the host's own precision) when compiling for CPU only, else the whole
-    prompt at once, as NPUW does by default; an explicit size always wins. The CPU's bulk chunk
-    of 512 is dropped at P 128 (with a note), kept at P 1024."""
+    """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 512 at f32; 16,
+    128 and 512 at bf16; by default the host's own precision) when compiling for CPU only, else
+    the whole prompt at once, as NPUW does by default; an explicit size always wins. Bulk chunks
+    not below P are dropped (with a note): at P 128 both, at P 1024 none."""
+    host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     if chunk == "host":
-        host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-        chunk = 64 if host in ("bf16", "f16") else 32
+        chunk = 16 if host in ("bf16", "f16") else 32
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--max-prompt-len", "128",
                  "--min-response-len", "64", "--no-verify", "--json", *args)
     lengths = json.loads(result.stdout)["plan"]["lengths"]
     assert lengths["prefill_chunk_size"] == chunk and lengths["prefill_bulk_chunks"] == []
     auto = "--prefill-chunk-size" not in args and "NPU" not in args
-    assert any("prefill bulk chunk 512 dropped" in a for a in lengths["adjustments"]) == auto
+    dropped = "128, 512" if chunk == 16 else "512"
+    assert any(f"prefill bulk chunk {dropped} dropped" in a for a in lengths["adjustments"]) == auto
     if auto and not args:
         result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
                      "--min-response-len", "64", "--no-verify", "--json")
         lengths = json.loads(result.stdout)["plan"]["lengths"]
-        assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (chunk, [512])
+        assert lengths["prefill_bulk_chunks"] == ([128, 512] if chunk == 16 else [512])
 
 
 @pytest.mark.parametrize("args, kv, attention", [
@@ -70,9 +71,9 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     (("--kv-precision", "f32", "--attention", "sdpa"), "f32", "sdpa")])
 def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, attention):
     """auto: a bf16 cache when compiling for CPU only with bf16 blobs (by default the host's own
-    precision), else f16; the generate models read the past apart from the new rows when
-    compiling for CPU only (group-attention{split_past=true}), the prefill models never; the NPU
-    keeps the grouped Concat. Explicit values always win."""
+    precision), else f16; every model reads the past apart from the new rows when compiling for
+    CPU only (group-attention{split_past=true}); the NPU keeps the grouped Concat; the prefill
+    models' MLPs over rows (mlp-rows) for CPU only at bf16. Explicit values always win."""
     if kv == "host":
         kv = "bf16" if core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() == "bf16" else "f16"
     out = tmp_path / "out"
@@ -81,8 +82,12 @@ def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, a
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["plan"]["options"]["kv_precision"], manifest["plan"]["options"]["attention"]) == (kv, attention)
     pipelines = {name: m["pipeline"] for name, m in manifest["models"].items()}
-    assert all(("split_past=true" in text) == (attention == "split-past" and name.startswith("generate-"))
-               for name, text in pipelines.items())
+    assert all(("split_past=true" in text) == (attention == "split-past") for text in pipelines.values())
+    host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+    precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
+    rows = "NPU" not in args and precision == "bf16"
+    assert manifest["plan"]["options"]["prefill_mlp"] == ("rows" if rows else "as-is")
+    assert all(("mlp-rows" in text) == (rows and name.startswith("prefill")) for name, text in pipelines.items())
 
 
 def test_bulk_prefill_chunks_compile_verify_and_run(tmp_path):

@@ -176,10 +176,11 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "costs measured and written" in first.output and costs.is_file()
     data = json.loads(costs.read_text())
     assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
-    from kvc.export.compile import resolve_attention, resolve_kv
+    from kvc.export.compile import resolve_attention, resolve_kv, resolve_prefill_mlp
 
     kv, attention = resolve_kv("auto", ("CPU",), "auto"), resolve_attention("auto", ("CPU",))
     assert (data["target"]["kv_precision"], data["target"]["attention"]) == (kv, attention)  # compile's
+    assert data["target"]["prefill_mlp"] == resolve_prefill_mlp("auto", ("CPU",), "auto")
     second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
                  "--max-models", "3")
     doc = json.loads(second.stdout)
