@@ -174,12 +174,14 @@ def static_options(f):
         click.option("--beam", type=click.Choice(["drop", "keep", "indirect"]), default="drop", show_default=True,
                      help="beam_idx handling: drop it (OpenVINO). keep and indirect are refused: the static "
                           "contract runs batch 1."),
-        click.option("--attention", type=click.Choice(["auto", "grouped", "split-past", "sdpa"]), default="auto",
-                     show_default=True,
+        click.option("--attention", type=click.Choice(["auto", "grouped", "split-past", "fold", "sdpa"]),
+                     default="auto", show_default=True,
                      help="grouped: attention as MatMuls over the unexpanded GQA cache (no per-step copy of "
                           "the cache); split-past: grouped, and every model with a past reads it and the new "
-                          "rows apart (no Concat of the cache every step); sdpa: keep ScaledDotProductAttention. "
-                          "auto: split-past when compiling for CPU only, else grouped."),
+                          "rows apart (no Concat of the cache every call); fold: the generate models as "
+                          "split-past, the prefill models' attention rank 4 with the GQA repeat folded into "
+                          "the query rows (which the CPU plugin fuses); sdpa: keep ScaledDotProductAttention. "
+                          "auto: fold when compiling for CPU only, else grouped."),
         click.option("--prefill-mlp", type=click.Choice(["auto", "rows", "as-is"]), default="auto", show_default=True,
                      help="rows: the prefill models' gated MLPs multiply 2-D rows, which the CPU plugin does not "
                           "fuse into LLMMLP (which keeps an f16 copy of f32 MLP weights beside its own: 2 "

@@ -6,8 +6,9 @@
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
     tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention] [→ mlp-rows]
-          (attention "split-past": group-attention{split_past=true} in every branch;
-          prefill_mlp "rows": mlp-rows in the prefill branches)
+          (attention "split-past": group-attention{split_past=true} in every branch; "fold":
+          group-attention{fold=true} in the prefill branches and {split_past=true} in the
+          generate ones; prefill_mlp "rows": mlp-rows in the prefill branches)
 
 The pass objects are built from the typed options (`branch_passes`); pipeline text is only
 what users type (`--passes`) and what the manifest and dumps record.
@@ -67,8 +68,10 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,
                      slice_logits=prefill and options.slice_logits)
-        split = options.attention == "split-past"
-        grouped = [GroupAttention(split_past=split)] if options.attention in ("grouped", "split-past") else []
+        form = options.attention  # "fold": the prefill models fold, the generate models split
+        fold = form == "fold" and prefill
+        split = form == "split-past" or (form == "fold" and not prefill)
+        grouped = [GroupAttention(split_past=split, fold=fold)] if form in ("grouped", "split-past", "fold") else []
         rows = [MlpRows()] if prefill and options.prefill_mlp == "rows" else []
         return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped, *rows]
 

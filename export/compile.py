@@ -131,12 +131,13 @@ def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
 
 
 def resolve_attention(value: str, devices=("CPU",)) -> str:
-    """--attention auto: "split-past" when every device is the CPU (a generate step or prefill
-    chunk reads the past in place instead of through a Concat, group-attention's split_past), else "grouped"
-    (the NPU's graphs keep the Concat: no NPU here to measure a change on)."""
+    """--attention auto: "fold" when every device is the CPU (a generate step reads the past in
+    place instead of through a Concat, group-attention's split_past; a prefill chunk's attention
+    is rank 4 with the GQA repeat in its query rows, which the CPU plugin fuses, its fold), else
+    "grouped" (the NPU's graphs keep the Concat: no NPU here to measure a change on)."""
     if value != "auto":
         return value
-    return "split-past" if set(devices) <= {"CPU"} else "grouped"
+    return "fold" if set(devices) <= {"CPU"} else "grouped"
 
 
 def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") -> str:

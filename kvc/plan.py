@@ -40,7 +40,9 @@ class StaticOptions:
     beam: str = "drop"
     passes: str | None = None  # the common pipeline as text; default: lift-state
     # "grouped": group-attention rewrites SDPA; "split-past": the same, and every model with a
-    # past reads it and the new rows apart (group-attention{split_past=true}); "sdpa": kept as is
+    # past reads it and the new rows apart (group-attention{split_past=true}); "fold": the
+    # prefill models fold the GQA repeat into their query rows (group-attention{fold=true}) and
+    # the generate models split; "sdpa": kept as is
     attention: str = "grouped"
     # "rows": the prefill models' gated MLPs multiply 2-D rows (mlp-rows), which the CPU
     # plugin keeps off its LLMMLP fusion and its second copy of the weights; "as-is": kept

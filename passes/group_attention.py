@@ -31,6 +31,20 @@ chunks gain too since their MLPs run apart from LLMMLP (mlp-rows; before, a 64-r
 50.6 against 48.5 ms split): a chunk of 16 / 64 / 128 / 512 rows 44.3 / 71.1 / 118.7 / 340 ms
 against 52.3 / 74.2 / 124.8 / 348 ms with the Concat, in one process alternating, on a slow
 phase of the host (docs/kv-precision.md).
+
+`fold=true` (the prefill models of CPU-only compiles): the repeat goes into the query rows
+instead of an axis of its own, so attention is rank 4 over the cache as it is:
+
+    qf = reshape(q, [B, H_kv, rep * L, D])        # heads h = kv * rep + r are contiguous
+    out = reshape(softmax(qf @ k^T * scale + bias') @ v, [B, H, L, D])
+
+where bias' is the mask with its rows tiled rep times (folded row r * L + l is head r's row
+l), or a per-head mask reshaped the same way. That is the MatMul-Softmax-MatMul pattern the
+CPU plugin's Snippets MHA tokenization fuses (it takes rank 4 only), so the scores are never
+written out whole; it needs the Concat of past and new rows (split_past is not applied). A
+16-layer stack alone (bench/attention_fold.py): 16 / 128 / 512 rows 9.7 / 38 / 140 ms against
+14.5 / 47 / 214 grouped; in the bench Llama's prefill models, against grouped with split_past:
+128 rows 173 against 215 ms, 512 rows 573 against 711, 16 rows the same (86 against 83).
 """
 
 from __future__ import annotations
@@ -91,6 +105,7 @@ class GroupAttention(Pass):
 
     name: ClassVar[str] = "group-attention"
     split_past: bool = False  # read the past and the new rows apart (no Concat of the keys and values)
+    fold: bool = False  # the repeat folded into the query rows: rank-4 attention over [B, H_kv, rep * L, D]
 
     requires: ClassVar[tuple[str, ...]] = ("static",)
 
@@ -117,9 +132,12 @@ class GroupAttention(Pass):
         rep = rep_k
         kv_heads = H // rep
         S = k.get_partial_shape()[2].get_length()
-        q5 = ops.reshape(q, _i64([B, kv_heads, rep, L, D]), False)
-        k5, v5 = ops.unsqueeze(k, _i64([2])), ops.unsqueeze(v, _i64([2]))
-        parts = self._past_and_new(k, v) if self.split_past else None
+        if self.fold:  # heads h = kv * rep + r are contiguous: [B, H, L, D] is [B, H_kv, rep * L, D]
+            q5, k5, v5 = ops.reshape(q, _i64([B, kv_heads, rep * L, D]), False), k, v
+        else:
+            q5 = ops.reshape(q, _i64([B, kv_heads, rep, L, D]), False)
+            k5, v5 = ops.unsqueeze(k, _i64([2])), ops.unsqueeze(v, _i64([2]))
+        parts = self._past_and_new(k, v) if self.split_past and not self.fold else None
         if parts is None:
             scores = ops.matmul(q5, k5, False, True)
         else:
@@ -132,6 +150,8 @@ class GroupAttention(Pass):
             scale = ops.constant(np.array(1.0 / np.sqrt(D), q.get_element_type().to_dtype())).output(0)
         scores = ops.multiply(scores, scale)
         bias = self._bias(sdpa, B, H, kv_heads, rep, L, S)
+        if self.fold and bias is not None:
+            bias = self._folded(bias, rep)
         if bias is not None:
             if bias.get_element_type() == ov.Type.boolean:
                 neg = ops.convert_like(ops.constant(np.float32(-np.inf)), scores)
@@ -192,3 +212,19 @@ class GroupAttention(Pass):
             raise self.fail(f"attention mask with {heads} heads against {H} query heads", sdpa)
         return ops.reshape(mask, _i64([ms[0].get_length(), kv_heads, rep, ms[2].get_length(), ms[3].get_length()]),
                            False).output(0)
+
+    @staticmethod
+    def _folded(bias: ov.Output, rep: int) -> ov.Output:
+        """`_bias`'s mask, which broadcasts against [B, H_kv, rep, L, S], as one that broadcasts
+        against the folded scores [B, H_kv, rep * L, S] (folded row r * L + l is head r's row
+        l): a mask with a repeat axis is reshaped; one without (of L rows or 1) is tiled rep
+        times along its rows when it has L."""
+        shape = [d.get_length() for d in bias.get_partial_shape()]
+        if len(shape) == 5:
+            if shape[2] == rep:
+                return ops.reshape(bias, _i64([shape[0], shape[1], rep * shape[3], shape[4]]), False).output(0)
+            bias = ops.reshape(bias, _i64([shape[0], shape[1], *shape[3:]]), False).output(0)  # its repeat axis is 1
+            shape = [shape[0], shape[1], *shape[3:]]
+        if len(shape) < 2 or shape[-2] == 1:
+            return bias  # [S], or one row for every query row: broadcasts as is
+        return ops.tile(bias, _i64([1] * (len(shape) - 2) + [rep, 1])).output(0)

@@ -65,15 +65,16 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
 
 
 @pytest.mark.parametrize("args, kv, attention", [
-    ((), "host", "split-past"), (("--inference-precision", "f32"), "f16", "split-past"),
-    (("--inference-precision", "bf16"), "bf16", "split-past"), (("--device", "NPU"), "f16", "grouped"),
+    ((), "host", "fold"), (("--inference-precision", "f32"), "f16", "fold"),
+    (("--inference-precision", "bf16"), "bf16", "fold"), (("--device", "NPU"), "f16", "grouped"),
     (("--device", "CPU", "--device", "NPU"), "f16", "grouped"),
     (("--kv-precision", "f32", "--attention", "sdpa"), "f32", "sdpa")])
 def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, attention):
     """auto: a bf16 cache when compiling for CPU only with bf16 blobs (by default the host's own
-    precision), else f16; every model reads the past apart from the new rows when compiling for
-    CPU only (group-attention{split_past=true}); the NPU keeps the grouped Concat; the prefill
-    models' MLPs over rows (mlp-rows) for CPU only at bf16. Explicit values always win."""
+    precision), else f16; for CPU only the generate models read the past apart from the new rows
+    (group-attention{split_past=true}) and the prefill models fold the GQA repeat into their
+    query rows ({fold=true}); the NPU keeps the grouped Concat; the prefill models' MLPs over
+    rows (mlp-rows) for CPU only at bf16. Explicit values always win."""
     if kv == "host":
         kv = "bf16" if core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() == "bf16" else "f16"
     out = tmp_path / "out"
@@ -82,7 +83,10 @@ def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, a
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["plan"]["options"]["kv_precision"], manifest["plan"]["options"]["attention"]) == (kv, attention)
     pipelines = {name: m["pipeline"] for name, m in manifest["models"].items()}
-    assert all(("split_past=true" in text) == (attention == "split-past") for text in pipelines.values())
+    assert all(("split_past=true" in text) == (attention == "fold" and name.startswith("generate-"))
+               for name, text in pipelines.items())
+    assert all(("fold=true" in text) == (attention == "fold" and name.startswith("prefill"))
+               for name, text in pipelines.items())
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
     rows = "NPU" not in args and precision == "bf16"

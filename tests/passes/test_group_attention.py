@@ -64,13 +64,19 @@ def _feed(rng, mask: str | None, past: int = 0) -> dict:
     return feed
 
 
+@pytest.mark.parametrize("spec", ["group-attention", "group-attention{fold=true}"])
 @pytest.mark.parametrize("causal,mask,scale", [(False, None, False), (True, None, False), (False, "float", True),
                                                (False, "bool", False), (True, "float", True)])
-def test_matches_the_specification(causal, mask, scale):
+def test_matches_the_specification(causal, mask, scale, spec):
+    """Grouped (rank 5, the repeat axis broadcast) and folded (rank 4, the repeat in the query
+    rows, the mask tiled or reshaped to match) both compute the specification."""
     model = _attention_model(causal, mask, scale)
     feed = _feed(np.random.default_rng(0), mask)
     before = OpenVINOSession(model).infer(feed)["out"]
-    grouped = PassManager(parse_pipeline("group-attention"), use_env=False).run(model.clone()).model
+    grouped = PassManager(parse_pipeline(spec), use_env=False).run(model.clone()).model
+    if "fold" in spec:
+        ranks = {len(n.get_output_partial_shape(0)) for n in grouped.get_ops() if n.get_type_name() == "MatMul"}
+        assert ranks == {4}, "the attention's MatMuls are rank 4"
     assert not [n for n in grouped.get_ops() if n.get_type_name() == "ScaledDotProductAttention"]
     assert not [n for n in grouped.get_ops() if n.get_type_name() == "Broadcast"], "the cache is never expanded"
     for session in (NumpySession(grouped), OpenVINOSession(grouped)):
@@ -96,6 +102,34 @@ def test_split_past_needs_two_parts_on_the_sequence_axis():
     model = _attention_model(False, None, False)
     split = PassManager(parse_pipeline("group-attention{split_past=true}"), use_env=False).run(model.clone()).model
     assert not [n for n in split.get_ops() if n.get_type_name() in ("Concat", "VariadicSplit")]
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_folded_prefill_chunk_unchanged_on_fixtures(name):
+    """fold on a prefill chunk over a past (rows that see part of the past and part of their
+    chunk, every fixture's mask and GQA form): the logits and the new cache rows unchanged."""
+    spec = ("lift-state,dense-experts,static-shape{kind=prefill,prompt=64,chunk=16},mask-positions,"
+            "unmask-pad-rows")
+    model = PassManager(parse_pipeline(spec), use_env=False).run(ir.load(fixtures.path(name))).model
+    folded = PassManager(parse_pipeline("group-attention{fold=true}"), use_env=False).run(model.clone()).model
+    rng = np.random.default_rng(3)
+    feed = {}
+    for p in model.inputs:
+        shape, dtype, name_ = list(p.get_shape()), p.get_element_type().to_dtype(), p.get_any_name()
+        if name_ == "attention_mask":  # 20 rows of past, then the chunk's last 9 rows
+            feed[name_] = np.zeros(shape, dtype)
+            feed[name_][..., :20] = 1
+            feed[name_][..., -9:] = 1
+        elif name_ == "position_ids":
+            feed[name_] = np.broadcast_to(np.arange(shape[-1]) + 13, shape).astype(dtype)
+        elif dtype == np.int64:
+            feed[name_] = rng.integers(1, 300, shape)
+        else:
+            feed[name_] = rng.standard_normal(shape).astype(dtype)
+    a, b = NumpySession(model).infer(feed), NumpySession(folded).infer(feed)
+    for key in a:
+        np.testing.assert_allclose(b[key][..., -9:, :] if key == "logits" else b[key],
+                                   a[key][..., -9:, :] if key == "logits" else a[key], atol=1e-4, err_msg=key)
 
 
 @pytest.mark.parametrize("split_past", [False, True])
