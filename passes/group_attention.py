@@ -17,7 +17,8 @@ is head h // rep of the cache, exactly as the Unsqueeze/Broadcast/Reshape built 
 result is the specification's (`tests/passes/test_group_attention.py` checks it on every
 fixture). Needs static shapes (run after static-shape).
 
-`split_past=true` (the models of CPU-only compiles): where the keys and values are each a
+`split_past=true` (the generate models of CPU-only compiles, `--attention fold`; every model
+with `--attention split-past`): where the keys and values are each a
 Concat of the past and this call's rows, attention reads the two apart instead of the
 concatenation, so a call never copies the whole past (OpenVINO CPU materializes the Concat,
 converting the past into it, every call):
@@ -26,11 +27,11 @@ converting the past into it, every call):
     out = w_past @ v_past + w_new @ v_new
 
 The same scores, softmax and weighted sum, summed in two parts. On the 250M Llama a generate
-step took 24.5 ms against 25.9 with the Concat (bf16 cache; bench/attention_forms.py). Prefill
-chunks gain too since their MLPs run apart from LLMMLP (mlp-rows; before, a 64-row chunk took
-50.6 against 48.5 ms split): a chunk of 16 / 64 / 128 / 512 rows 44.3 / 71.1 / 118.7 / 340 ms
-against 52.3 / 74.2 / 124.8 / 348 ms with the Concat, in one process alternating, on a slow
-phase of the host (docs/kv-precision.md).
+step took 24.5 ms against 25.9 with the Concat (bf16 cache; bench/attention_forms.py). Split,
+prefill chunks with their MLPs off LLMMLP (mlp-rows) took 16 / 64 / 128 / 512 rows 44.3 /
+71.1 / 118.7 / 340 ms against 52.3 / 74.2 / 124.8 / 348 ms with the Concat (one process
+alternating, a slow phase of the host; docs/kv-precision.md); folded (below) they are faster
+still from 128 rows on.
 
 `fold=true` (the prefill models of CPU-only compiles): the repeat goes into the query rows
 instead of an axis of its own, so attention is rank 4 over the cache as it is:
