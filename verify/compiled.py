@@ -151,13 +151,15 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
 
 
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
-                selecting: bool = False) -> list[dict]:
+                selecting: bool = False, source=None) -> list[dict]:
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision),
     their cache rows too (`judge_run`: the blobs' rows against the IR's, bounded by
     BLOB_ROW_ERROR where the blobs compute below f32; not for an int8 cache, `stored_rows`),
-    else only for finite logits. An import or inference failure raises DeviceError."""
+    else only for finite logits. With the `source` model's path, a CPU blob run below f32 that
+    fails a fixed bound is judged again with the bounds widened by the plugin's own drift on
+    that probe (`kvc.verify.peer_drift`). An import or inference failure raises DeviceError."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
     from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
@@ -169,6 +171,11 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     reduced = reduced_precision(kv_types, backend, config)
     limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
+    peer = None
+    if source is not None and ir_gens is not None and backend == "openvino" and reduced_arithmetic(backend, config):
+        from kvc.verify.peer_drift import Peer
+
+        peer = Peer(source, config, kv_types)
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -194,6 +201,9 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             got.cache = stored_rows(pipe, got.kv_rows)
             row.update(judge_run(ir_gens[i], got, pipe.plan.kv, reduced=reduced, limit=limit, step_bound=bound,
                                  row_bounds=blob_bounds, against="the IR's"))
+            if not row["ok"] and peer is not None:
+                row = peer.widened(row, ir_gens[i], got, prompt, pipe.plan.kv, limit=limit, step_bound=bound,
+                                   row_bounds=blob_bounds, reduced=reduced)
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -237,7 +247,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                     new_tokens: int = 16, reference_backend: str = "openvino", from_ir: bool = False) -> dict:
     """Run a compiled directory on each backend and the source model on `reference_backend`;
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties), and
-    on the numpy backend the cache rows too (`judge_run`)."""
+    on the numpy backend the cache rows too (`judge_run`). OpenVINO CPU runs below f32 that
+    fail a fixed bound are judged again by the plugin's own drift (`kvc.verify.peer_drift`)."""
     from pathlib import Path
 
     from kvc.export.load import backend_config, pipeline_from
@@ -245,6 +256,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import held_rows, source_run
+    from kvc.verify.peer_drift import Peer
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -263,6 +275,10 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
     selecting = ((int8_kv(kv_types) or any(reduced_arithmetic(b, configs[b]) for b in backends))  # step_limit's too
                  and directory_selects(directory, manifest))
+    # OpenVINO CPU below f32 against the source at f32: a probe failing a fixed bound is judged
+    # again by the plugin's own drift on it, as the compile's blob check judged it (peer_drift).
+    peers = {b: Peer(source, configs[b], kv_types) for b in backends
+             if b == "openvino" and reference_backend == "openvino" and reduced_arithmetic(b, configs[b])}
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
@@ -272,11 +288,15 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             got = pipe.generate(prompt, n)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
                 got.cache = held_rows(pipe, got.kv_rows)
-            rows.append({"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
-                         **judge_run(references[(i, n)], got, plan.kv,
-                                     reduced=reduced_precision(kv_types, backend, configs[backend]),
-                                     limit=nrmse_limit(kv_types, selecting, backend, configs[backend]),
-                                     step_bound=step_limit(kv_types, selecting, backend, configs[backend]))})
+            policy = {"reduced": reduced_precision(kv_types, backend, configs[backend]),
+                      "limit": nrmse_limit(kv_types, selecting, backend, configs[backend]),
+                      "step_bound": step_limit(kv_types, selecting, backend, configs[backend])}
+            row = {"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
+                   **judge_run(references[(i, n)], got, plan.kv, **policy)}
+            if not row["ok"] and peers.get(backend) is not None:
+                row = peers[backend].widened(row, references[(i, n)], got, prompt, plan.kv, against="the source model's",
+                                             **policy)
+            rows.append(row)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
             "backend_configs": configs,
