@@ -357,8 +357,16 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         "models": models,
         "tokenizer": _copy_tokenizer(resolve(model_path).root, work),
     }
-    manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab, selecting,
-                                                              options, progress)
+    from kvc.runtime.interpreter import EvaluationError
+
+    try:
+        manifest["verification"], manifest["blob_check"] = _check(model_path, work, manifest, static, vocab,
+                                                                  selecting, options, progress)
+    except EvaluationError as exc:  # a probe reached past a position table the model states
+        beyond = _beyond_max_positions(stated, options.static)
+        if beyond is None:
+            raise
+        raise EvaluationError(f"{exc}\nnote: {beyond}; lower --max-prompt-len/--min-response-len to fit") from None
     if options.recorder is not None:
         options.recorder.finish(work, work / "dumps" if options.dumps else None)
     # Outputs, not diagnostics: dumps (and their timings) are left out.

@@ -396,6 +396,20 @@ def test_a_capacity_past_the_models_max_positions_is_said(tmp_path):
     assert not [s for s in said if "warning" in s]
 
 
+def test_a_probe_past_the_models_position_table_says_why(tmp_path):
+    """gptj's rotary table stops at n_positions = 256: asked for P 1024, the check's 521-token
+    probe reads past it on kvc's interpreter, and the error says what the capacity exceeds."""
+    from kvc.runtime.interpreter import EvaluationError
+
+    options = StaticOptions(max_prompt_len=1024, min_response_len=64, prefill_chunk_size=(16, 512))
+    with pytest.raises(EvaluationError) as info:
+        compile_to(fixtures.path("gptj"), tmp_path / "gptj", CompileOptions(options, devices=()))
+    assert "IndexError: index 256 is out of bounds" in str(info.value)
+    assert str(info.value).endswith("note: the capacity P + R = 1088 exceeds the model's n_positions = 256 "
+                                    "(config.json); lower --max-prompt-len/--min-response-len to fit")
+    assert not (tmp_path / "gptj").exists()
+
+
 @pytest.mark.parametrize("precision", ["auto", "f32"])
 def test_cpu_blobs_run_at_the_precision_a_deployment_gets(tmp_path, precision):
     """auto: the CPU plugin's own default (bf16 on hosts with AVX512_BF16 or AMX, else f32),
