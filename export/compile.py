@@ -101,9 +101,20 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
     arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
     if value != "auto":
         return value
-    if not set(devices) <= {"CPU"}:
+    if not cpu_only(devices):
         return 0
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
+
+
+def cpu_only(devices) -> bool:
+    """Whether every device is the CPU: the blobs then need nothing the NPU imposes, so the
+    `auto` forms below follow the CPU plugin."""
+    return set(devices) <= {"CPU"}
+
+
+def cpu_bf16(devices, precision: str) -> bool:
+    """Whether every device is the CPU and its blobs compute at bf16 (`cpu_precision`)."""
+    return cpu_only(devices) and cpu_precision(precision) == "bf16"
 
 
 def cpu_precision(precision: str) -> str:
@@ -127,7 +138,7 @@ def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
     (`precision`, "auto" resolved for this host), else DEFAULT_KV."""
     if value != "auto":
         return value
-    return "bf16" if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16" else DEFAULT_KV
+    return "bf16" if cpu_bf16(devices, precision) else DEFAULT_KV
 
 
 def resolve_attention(value: str, devices=("CPU",)) -> str:
@@ -137,7 +148,7 @@ def resolve_attention(value: str, devices=("CPU",)) -> str:
     "grouped" (the NPU's graphs keep the Concat: no NPU here to measure a change on)."""
     if value != "auto":
         return value
-    return "fold" if set(devices) <= {"CPU"} else "grouped"
+    return "fold" if cpu_only(devices) else "grouped"
 
 
 def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") -> str:
@@ -145,7 +156,7 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
     (where the CPU plugin fuses gated MLPs into LLMMLP: passes/mlp_rows.py), else "as-is"."""
     if value != "auto":
         return value
-    return "rows" if set(devices) <= {"CPU"} and cpu_precision(precision) == "bf16" else "as-is"
+    return "rows" if cpu_bf16(devices, precision) else "as-is"
 
 
 def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
@@ -164,8 +175,9 @@ def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> Stati
 def auto_cache(device: str, precision: str) -> dict:
     """What `kvc compile` builds for `device` with --kv-precision, --attention and --prefill-mlp
     left at auto (CPU blobs at `precision`): the form `kvc plan` measures its costs on."""
-    return {"kv_precision": resolve_kv("auto", (device,), precision), "attention": resolve_attention("auto", (device,)),
-            "prefill_mlp": resolve_prefill_mlp("auto", (device,), precision)}
+    resolved = compile_static((device,), precision)
+    return {"kv_precision": resolved.kv_precision, "attention": resolved.attention,
+            "prefill_mlp": resolved.prefill_mlp}
 
 
 def check_kv(value: str, devices) -> None:
