@@ -22,7 +22,8 @@ arithmetic is unchanged; only the plugin's choice of kernel moves. It matches ex
 fused pattern: both projections read the same rank-3 value, with 2-D weights (transpose_a
 false), the product's only consumer is the down MatMul. `kvc compile` runs it on the prefill
 models of CPU-only compiles at bf16 (`--prefill-mlp auto`); the generate models keep LLMMLP
-(a decode step measured no faster without it).
+(a decode step measured slower without it: 36.0-44.1 against 33.5-41.6 ms, and 1.17x in an
+A/B that gave the 16-row prefill model LLMMLP instead, docs/benchmarks.md).
 """
 
 from __future__ import annotations
