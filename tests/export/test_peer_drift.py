@@ -83,3 +83,20 @@ def test_widened_bounds_never_narrow_and_never_pass_the_ceilings():
     wild = Drift(nrmse=0.5, row_error=3.0, precision="bf16")
     assert wild.limit(0.01) == NRMSE_CEILING and set(wild.row_bounds(fixed).values()) == {ROW_CEILING}
     assert Drift(nrmse=np.float64(0.0), row_error=None, precision="bf16").row_bounds(fixed) == fixed
+
+
+def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypatch):
+    """The widening is only ever a second judgement: when the plugin's own run of the source
+    fails, the fixed bounds' verdict stands (exit 4, not the peer's device error)."""
+    from kvc.errors import DeviceError
+    from kvc.verify import peer_drift
+
+    def broken(*args, **kwargs):
+        raise DeviceError("cannot compile for CPU: out of memory")
+
+    monkeypatch.setattr(cache_rows, "stored_rows", _flip_rows_past(515))
+    monkeypatch.setattr(peer_drift.Peer, "drift", broken)
+    result = kvc("compile", fixtures.path("bloom"), "-o", tmp_path / "out", "--inference-precision", "bf16", code=4)
+    assert "is not the IR's: its error is 2 of the row's RMS" in result.output
+    assert "run of the source model, which could widen the bounds, failed: cannot compile for CPU" in result.output
+    assert not (tmp_path / "out").exists()
