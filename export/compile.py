@@ -378,7 +378,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         beyond = _beyond_max_positions(stated, options.static)
         if beyond is None:
             raise
-        raise EvaluationError(f"{exc}\nnote: {beyond}; lower --max-prompt-len/--min-response-len to fit") from None
+        raise EvaluationError(f"{exc}\n{_fit_note(beyond)}") from None
     if options.recorder is not None:
         options.recorder.finish(work, work / "dumps" if options.dumps else None)
     # Outputs, not diagnostics: dumps (and their timings) are left out.
@@ -403,7 +403,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
             static = build_static(model, options.static, instr, bundle=bundle)
         except PassFailure as exc:
             if beyond:
-                exc.add_context(f"note: {beyond}; lower --max-prompt-len/--min-response-len to fit")
+                exc.add_context(_fit_note(beyond))
             raise exc.in_file(resolve(model_path).model) from None
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()
@@ -440,6 +440,12 @@ def _beyond_max_positions(stated: tuple[str, int] | None, options: StaticOptions
     if stated is None or capacity <= stated[1]:
         return None
     return f"the capacity P + R = {capacity} exceeds the model's {stated[0]} = {stated[1]} (config.json)"
+
+
+def _fit_note(beyond: str) -> str:
+    """What a failure caused by a capacity past the model's positions (`_beyond_max_positions`)
+    adds to its message."""
+    return f"note: {beyond}; lower --max-prompt-len/--min-response-len to fit"
 
 
 def _require_kv_cache(model, file: Path) -> None:

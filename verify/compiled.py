@@ -163,6 +163,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
     from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
+    from kvc.verify.peer_drift import peer_for
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
@@ -171,11 +172,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     reduced = reduced_precision(kv_types, backend, config)
     limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
-    peer = None
-    if source is not None and ir_gens is not None and backend == "openvino" and reduced_arithmetic(backend, config):
-        from kvc.verify.peer_drift import Peer
-
-        peer = Peer(source, config, kv_types)
+    peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
     # The prefill blob for every case, then the generate blobs: never both in memory (each
     # import maps weights.bin and packs the weights again), so checking costs no more memory
     # than the compile.
@@ -256,7 +253,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import held_rows, source_run
-    from kvc.verify.peer_drift import Peer
+    from kvc.verify.peer_drift import peer_for
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -277,8 +274,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                  and directory_selects(directory, manifest))
     # OpenVINO CPU below f32 against the source at f32: a probe failing a fixed bound is judged
     # again by the plugin's own drift on it, as the compile's blob check judged it (peer_drift).
-    peers = {b: Peer(source, configs[b], kv_types) for b in backends
-             if b == "openvino" and reference_backend == "openvino" and reduced_arithmetic(b, configs[b])}
+    peers = {b: peer_for(source, b, configs[b], kv_types) for b in backends} if reference_backend == "openvino" else {}
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
         for i, prompt in enumerate(prompts):
@@ -294,8 +290,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             row = {"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
                    **judge_run(references[(i, n)], got, plan.kv, **policy)}
             if not row["ok"] and peers.get(backend) is not None:
-                row = peers[backend].widened(row, references[(i, n)], got, prompt, plan.kv, against="the source model's",
-                                             **policy)
+                row = peers[backend].widened(row, references[(i, n)], got, prompt, plan.kv,
+                                             against="the source model's", **policy)
             rows.append(row)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,

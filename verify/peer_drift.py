@@ -73,6 +73,16 @@ class Drift:
         return {"peer_nrmse": self.nrmse, "peer_cache_error": self.row_error, "peer_precision": self.precision}
 
 
+def peer_for(source, backend: str, config: dict | None, kv_element_types) -> "Peer | None":
+    """The peer of runs on `backend` with `config`, for the runs this module widens: OpenVINO
+    CPU computing below f32 (`reduced_arithmetic`), with the `source` model's path; else None."""
+    from kvc.runtime.compare import reduced_arithmetic
+
+    if source is None or backend != "openvino" or not reduced_arithmetic(backend, config):
+        return None
+    return Peer(source, config, kv_element_types)
+
+
 class Peer:
     """The source model on OpenVINO CPU computing as the blobs do (module docstring), compiled
     on first use: only a probe that fails a fixed bound costs it."""
