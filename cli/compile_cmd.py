@@ -100,6 +100,8 @@ def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
                                f"other")
     lengths = read_plan(path)
     kwargs.update({k: lengths[k] for k in PLANNED[:3]})
+    if ctx.get_parameter_source("prefill_first") != click.core.ParameterSource.COMMANDLINE:
+        kwargs["prefill_first"] = ()  # the plan counted its models without a first chunk
     kwargs["variants"] = ",".join(map(str, lengths["variants"]))
     progress(f"plan {path}: P {lengths['max_prompt_len']}, R {lengths['min_response_len']}, chunk "
              f"{chunk_label(lengths['prefill_chunk_size'])}, variants {kwargs['variants']}")

@@ -143,6 +143,19 @@ def _chunk_value(ctx, param, value):
     return sizes[0] if len(sizes) == 1 else sizes
 
 
+def _first_value(ctx, param, value):
+    """auto, 0 (none), or sizes like 128 or 64,128."""
+    if value == "auto":
+        return value
+    try:
+        sizes = tuple(int(v) for v in str(value).split(","))
+    except ValueError:
+        sizes = (-1,)
+    if any(s < 0 for s in sizes) or (len(sizes) > 1 and 0 in sizes):
+        raise click.BadParameter(f"expected auto, 0 or sizes like 128 or 64,128, found {value!r}")
+    return () if sizes == (0,) else sizes
+
+
 def static_options(f):
     """The options that shape the static pipeline, named after NPUW's properties."""
     options = [
@@ -158,8 +171,13 @@ def static_options(f):
                      help="Chunked prefill size, a power of two (0: the whole prompt at once); several, like "
                           "64,512: the smallest is the chunk, each larger one a bulk prefill model that long "
                           "prompts run in fewer calls. auto: when compiling for CPU only, 32,512 for f32 CPU blobs "
-                          "and 64,512 for bf16 or f16 ones (512 dropped when P is not above it), else 0 (NPUW's "
-                          "default: up to 1024 at once)."),
+                          "and 16,128 for bf16 or f16 ones (a bulk chunk dropped when P is not above it), else 0 "
+                          "(NPUW's default: up to 1024 at once)."),
+        click.option("--prefill-first", default="auto", show_default=True, callback=_first_value,
+                     help="First-chunk prefill models: a prompt's first F tokens in one call that reads no past "
+                          "(a chunk model's attention reads all its P - C past slots, empty or not); F a multiple "
+                          "of the chunk below P; several like 64,128; 0: none. auto: 128 when compiling for CPU "
+                          "only with bf16 or f16 CPU blobs, else none."),
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
@@ -194,8 +212,8 @@ def static_options(f):
     return f
 
 
-STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants", "kv_precision", "transpose_v",
-               "slice_logits", "beam", "attention", "prefill_mlp", "passes_")
+STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "prefill_first", "variants", "kv_precision",
+               "transpose_v", "slice_logits", "beam", "attention", "prefill_mlp", "passes_")
 
 
 def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32"):

@@ -3,6 +3,7 @@
     loaded model ──common passes (lift-state, dense-experts, rotate-half-rope; or --passes)──► lifted
                     ├─ static-shape{prefill}    → tail ─► "prefill" (chunk C)
                     ├─ static-shape{prefill B}  → tail ─► "prefill-B" (per bulk chunk B)
+                    ├─ static-shape{prefill F, no chunk} → tail ─► "first-F" (per first chunk F)
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
     tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention] [→ mlp-rows]
@@ -78,6 +79,8 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     branches = {"prefill": [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=lengths.chunk), *tail(True)]}
     for chunk in lengths.bulk:
         branches[f"prefill-{chunk}"] = [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=chunk), *tail(True)]
+    for first in lengths.first:  # a prompt's first F positions over no past: the unchunked form, P = F
+        branches[f"first-{first}"] = [StaticShape(kind="prefill", prompt=first, chunk=0), *tail(True)]
     for size in lengths.sizes:
         branches[f"generate-{size}"] = [StaticShape(kind="generate", size=size, tokens=lengths.tokens), *tail(False)]
     return branches

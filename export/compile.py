@@ -84,16 +84,19 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 
 
 # The CPU's default prefill chunks, measured on the 250M Llama (docs/benchmarks.md). A call
-# costs a pass over the weights plus its rows' work, and on the CPU every prefill size is a
+# costs a pass over the weights plus its rows' work, and on the CPU every prefill model is a
 # compiled model holding its own packed weights. At f32 (AVX2 host) one chunk of 32 (the best
 # worst-case TTFT of one size over prompts of 16 to 1000 tokens, bench/ttft.py: 1.82x; 16:
 # 2.25x, 64: 3.11x) and a bulk chunk of 512 for long prompts (512 tokens 1.69x -> 0.92x, 1000
-# 1.48x -> 0.85x). At bf16 (AMX host) 16, 128 and 512: a short prompt takes one 16-row call, a
-# 100-token one a 128-row call (against one chunk of 64 and 512: 16 tokens 0.61x, 100 tokens
-# 0.71x, bench/compile_ab.py), affordable since the prefill models' MLPs stay off LLMMLP and
-# its second copy of the weights (mlp-rows: opening 1761 -> 2194 MB for the third prefill
-# model, 1.39x the stateful model's 1575). Bulk chunks are dropped where P is not above them.
-CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128, 512), "f16": (16, 128, 512)}
+# 1.48x -> 0.85x). At bf16 a chunk of 16 (a short prompt is one 16-row call), a bulk chunk of
+# 128, and a first chunk of 128 (CPU_FIRST): a 128-row call over a past reads all P slots, so
+# a 100-token prompt's one call cost 167 ms on a compute-bound host (AVX512_BF16, no AMX)
+# where the first-chunk model, reading the prompt alone, costs 138 (the stateful model 131).
+# The 512 bulk chunk it replaces saved nothing there (one 512-row call 650 ms, four 128-row
+# ones 640), and the prefill models' MLPs stay off LLMMLP (mlp-rows), so four models fit the
+# opening memory. Bulk and first chunks are dropped where P is not above them.
+CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
+CPU_FIRST = {"bf16": (128,), "f16": (128,)}
 
 
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
@@ -104,6 +107,15 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
     if not cpu_only(devices):
         return 0
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
+
+
+def resolve_first(value, devices=("CPU",), precision: str = "f32", chunk=0) -> tuple[int, ...]:
+    """--prefill-first auto: with a chunked prefill (`chunk`, resolved) when every device is
+    the CPU, CPU_FIRST for the blobs' arithmetic (none at f32), else none (the NPU's graphs: no
+    NPU here to measure a change on)."""
+    if value != "auto":
+        return value
+    return CPU_FIRST.get(cpu_precision(precision), ()) if cpu_only(devices) and chunk else ()
 
 
 def cpu_only(devices) -> bool:
@@ -162,10 +174,12 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
 def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`): the
     `fields` given, and the prefill chunk, KV type, attention and prefill MLP form, unless
-    given, resolved as its `auto` (`resolve_chunk`, `resolve_kv`, `resolve_attention`,
-    `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
+    given, resolved as its `auto` (`resolve_chunk`, `resolve_first`, `resolve_kv`,
+    `resolve_attention`, `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
+    fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, precision,
+                                            fields["prefill_chunk_size"])
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
     fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
     fields["prefill_mlp"] = resolve_prefill_mlp(fields.get("prefill_mlp", "auto"), devices, precision)

@@ -153,8 +153,9 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     generate = {size: session(name) for name, (kind, size) in kinds.items() if kind == "generate"}
     prefill = session("prefill")
     bulk = {size: session(name) for name, (kind, size) in kinds.items() if kind == "prefill" and size is not None}
+    first = {size: session(name) for name, (kind, size) in kinds.items() if kind == "first"}
     logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-    return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk)
+    return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk, first=first)
 
 
 class LazySession:

@@ -223,27 +223,31 @@ def _is_port(p) -> bool:
             and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40 for n in p["shape"]))
 
 
+KINDS = ("prefill", "first", "generate")
+
+
 def model_kind(name) -> tuple[str, int | None] | None:
     """("prefill", None) for "prefill", ("prefill", B) for a bulk chunk's "prefill-B",
-    ("generate", T) for "generate-T"; None for any other name."""
+    ("first", F) for a first chunk's "first-F", ("generate", T) for "generate-T"; None for
+    any other name."""
     if name == "prefill":
         return "prefill", None
     kind, _, size = str(name).partition("-")
-    if kind in ("prefill", "generate") and size.isdigit() and size == str(int(size)):
+    if kind in KINDS and size.isdigit() and size == str(int(size)):
         return kind, int(size)
     return None
 
 
 def model_order(names) -> list[str]:
-    """Model names as compile builds them: prefill, the bulk prefills, then the generate
-    variants, each by size."""
-    return sorted(names, key=lambda n: (model_kind(n)[0] == "generate", model_kind(n)[1] or 0))
+    """Model names as compile builds them: prefill, the bulk prefills, the first chunks, then
+    the generate variants, each by size."""
+    return sorted(names, key=lambda n: (KINDS.index(model_kind(n)[0]), model_kind(n)[1] or 0))
 
 
 def _check_model(name, model, bad) -> None:
     """One entry of `models`: its name, xml, ports and blobs, with the types kvc reads."""
     if model_kind(name) is None:
-        raise bad(f"unknown model name {name!r}", expected="prefill, prefill-<chunk> or generate-<size>",
+        raise bad(f"unknown model name {name!r}", expected="prefill, prefill-<chunk>, first-<chunk> or generate-<size>",
                   found=repr(name)[:80])
     if not isinstance(model, dict) or not isinstance(model.get("xml"), str):
         raise bad(f"model {name!r} is malformed", expected='{"xml": str, "inputs", "outputs", "blobs"}',
@@ -264,11 +268,12 @@ def _check_model(name, model, bad) -> None:
 
 def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     """The plan and the models' port tables tell the same story: the generate models are the
-    plan's sizes and the bulk prefill models its bulk chunks; every model has logits [.., V]
-    with one V; every KV tensor of the plan is sized for the largest variant, is a past input
-    of every generate model (with `size - tokens` rows) and of every chunked prefill model
-    (P - its chunk rows) and a present output of every model, in the plan's element type and
-    with the plan's shape off the sequence axis."""
+    plan's sizes, the bulk prefill models its bulk chunks and the first-chunk models its first
+    chunks; every model has logits [.., V] with one V; every KV tensor of the plan is sized for
+    the largest variant, is a past input of every generate model (with `size - tokens` rows)
+    and of every chunked prefill model (P - its chunk rows), not of a first-chunk model, and a
+    present output of every model, in the plan's element type and with the plan's shape off
+    the sequence axis."""
     models, L = manifest["models"], plan.lengths
     kinds = {name: model_kind(name) for name in models}
     sizes = sorted(size for kind, size in kinds.values() if kind == "generate")
@@ -277,6 +282,9 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     bulk = sorted(size for kind, size in kinds.values() if kind == "prefill" and size is not None)
     if bulk != list(L.bulk):
         raise bad("the bulk prefill models are not the plan's bulk chunks", expected=list(L.bulk), found=bulk)
+    first = sorted(size for kind, size in kinds.values() if kind == "first")
+    if first != list(L.first):
+        raise bad("the first-chunk models are not the plan's first chunks", expected=list(L.first), found=first)
     for spec in plan.kv:
         if spec.shape[spec.seq_axis] != max(sizes) - L.tokens:
             raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
@@ -288,8 +296,10 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
         inputs = {p["name"]: p for p in model["inputs"]}
         outputs = {p["name"]: p for p in model["outputs"]}
         # The token inputs the pipeline feeds: [1, C or P] ids and [1, P] mask for the prefill,
-        # [1, B] ids and [1, P] mask for prefill-B, [1, G] ids and [1, T] mask for generate-T.
-        step, span = (size or L.chunk or L.prompt, L.prompt) if kind == "prefill" else (L.tokens, size)
+        # [1, B] ids and [1, P] mask for prefill-B, [1, F] both for first-F, [1, G] ids and
+        # [1, T] mask for generate-T.
+        step, span = {"prefill": (size or L.chunk or L.prompt, L.prompt), "first": (size, size),
+                      "generate": (L.tokens, size)}[kind]
         for port, want in (("input_ids", [1, step]), ("attention_mask", [1, span])):
             if port not in inputs or inputs[port]["shape"] != want:
                 raise bad(f"model {name!r}'s {port} does not match the plan's lengths", expected=want,
@@ -302,7 +312,10 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
             wanted = [(outputs, spec.output, "output", None)]
             if kind == "generate":
                 wanted.append((inputs, spec.input, "input", size - L.tokens))
-            elif L.chunk:  # a chunk's past: P - C slots (P - B for prefill-B)
+            elif kind == "first" and spec.input in inputs:
+                raise bad(f"first-chunk model {name!r} reads a past", expected="no past input",
+                          found=f"input {spec.input!r}")
+            elif kind == "prefill" and L.chunk:  # a chunk's past: P - C slots (P - B for prefill-B)
                 wanted.append((inputs, spec.input, "input", L.prompt - (size or L.chunk)))
             for ports, port, side, rows in wanted:
                 found = ports.get(port)

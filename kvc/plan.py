@@ -33,6 +33,7 @@ class StaticOptions:
     max_prompt_len: int | None = None  # None: DEFAULT_MAX_PROMPT_LEN, lowered to fit max_positions
     min_response_len: int | None = None  # None: DEFAULT_MIN_RESPONSE_LEN
     prefill_chunk_size: int | tuple[int, ...] = 0  # several: the smallest is the chunk, the others bulk chunks
+    prefill_first: tuple[int, ...] = ()  # first-chunk prefill models: a prompt's first F tokens, no past read
     variants: str | tuple[int, ...] = "pyramid"  # NPUW_LLM_GENERATE_PYRAMID's default (YES) in OpenVINO 2026.4
     kv_precision: str = "f32"
     transpose_v: bool = False
@@ -59,7 +60,7 @@ class StaticOptions:
 
     def lengths(self) -> "LengthPlan":
         return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants,
-                            max_positions=self.max_positions)
+                            max_positions=self.max_positions, first=self.prefill_first)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # as JSON reads
@@ -67,7 +68,7 @@ class StaticOptions:
     @classmethod
     def from_dict(cls, d: dict) -> "StaticOptions":
         d = dict(d)
-        for key in ("variants", "prefill_chunk_size"):
+        for key in ("variants", "prefill_chunk_size", "prefill_first"):
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)
@@ -88,6 +89,7 @@ class LengthPlan:
     tokens: int = 1  # G
     notes: tuple[str, ...] = field(default=())
     bulk: tuple[int, ...] = ()  # larger prefill chunks C < B1 < ... < P, each its own prefill model
+    first: tuple[int, ...] = ()  # first-chunk models F1 < ... < P (multiples of C): positions [0, F), no past
 
     @property
     def capacity(self) -> int:
@@ -95,7 +97,8 @@ class LengthPlan:
 
     def to_dict(self) -> dict:
         return {"max_prompt_len": self.prompt, "min_response_len": self.response, "prefill_chunk_size": self.chunk,
-                "prefill_bulk_chunks": list(self.bulk), "generate_sizes": list(self.sizes),
+                "prefill_bulk_chunks": list(self.bulk), "prefill_first_chunks": list(self.first),
+                "generate_sizes": list(self.sizes),
                 "tokens_per_step": self.tokens, "capacity": self.capacity, "adjustments": list(self.notes)}
 
     @classmethod
@@ -113,24 +116,31 @@ class LengthPlan:
         bulk = d.get("prefill_bulk_chunks", [])  # absent from manifests written before bulk chunks
         if not (isinstance(bulk, list) and all(_is_int(b) for b in bulk) and bulk == sorted(set(bulk))):
             raise ValueError(f"prefill_bulk_chunks must be increasing integers, found {bulk!r}")
+        first = d.get("prefill_first_chunks", [])  # absent from manifests written before first chunks
+        if not (isinstance(first, list) and all(_is_int(f) for f in first) and first == sorted(set(first))):
+            raise ValueError(f"prefill_first_chunks must be increasing integers, found {first!r}")
         plan = cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(sizes),
-                   d["tokens_per_step"], tuple(d["adjustments"]), tuple(bulk))
+                   d["tokens_per_step"], tuple(d["adjustments"]), tuple(bulk), tuple(first))
         if plan.prompt < 1 or plan.tokens < 1 or plan.capacity <= plan.prompt:
             raise ValueError(f"lengths are inconsistent: P {plan.prompt}, G {plan.tokens}, capacity {plan.capacity}")
         if bulk and not (plan.chunk and plan.chunk < bulk[0] and bulk[-1] < plan.prompt):
             raise ValueError(f"bulk chunks {bulk} must lie between the chunk {plan.chunk} and P {plan.prompt}")
+        if first and not (plan.chunk and first[0] > 0 and first[-1] < plan.prompt
+                          and all(f % plan.chunk == 0 for f in first)):
+            raise ValueError(f"first chunks {first} must be multiples of the chunk {plan.chunk} below P {plan.prompt}")
         return plan
 
 
-def chunk_label(chunk, bulk=()) -> str:
-    """Prefill chunks as every output shows them: "64", "64 + bulk 512", "none". `chunk` may
-    be a manifest's lengths (a dict), or the sizes of --prefill-chunk-size (an int or a tuple:
-    the chunk, then the bulk chunks)."""
+def chunk_label(chunk, bulk=(), first=()) -> str:
+    """Prefill chunks as every output shows them: "64", "64 + bulk 512", "16 + bulk 128 +
+    first 128", "none". `chunk` may be a manifest's lengths (a dict), or the sizes of
+    --prefill-chunk-size (an int or a tuple: the chunk, then the bulk chunks)."""
     if isinstance(chunk, dict):
-        chunk, bulk = chunk.get("prefill_chunk_size"), chunk.get("prefill_bulk_chunks") or ()
+        chunk, bulk, first = (chunk.get("prefill_chunk_size"), chunk.get("prefill_bulk_chunks") or (),
+                              chunk.get("prefill_first_chunks") or ())
     elif isinstance(chunk, tuple):
         chunk, bulk = chunk[0], chunk[1:]
-    return f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk)
+    return f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk) + "".join(f" + first {f}" for f in first)
 
 
 def _is_int(value) -> bool:
@@ -142,7 +152,7 @@ MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None = None,
                  chunk: int | tuple[int, ...] = 0, variants: str | tuple[int, ...] = "pyramid",
-                 align: int = NPUW_ALIGN, max_positions: int | None = None) -> LengthPlan:
+                 align: int = NPUW_ALIGN, max_positions: int | None = None, first: tuple[int, ...] = ()) -> LengthPlan:
     """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
     aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
     explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`.
@@ -163,7 +173,13 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     Several chunk sizes (a tuple; kvc's own, not NPUW's): the smallest is the chunk C as
     above, the larger ones are bulk chunks, each a prefill model of its own that long prompts
     run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P), else it
-    is dropped with a note."""
+    is dropped with a note.
+
+    First chunks F (kvc's own): prefill models of F tokens with no past, for a prompt's first
+    positions `[0, F)`: their attention reads the prompt alone, where a chunk model's reads
+    its P - C past slots too, empty or not. Each must be a multiple of C below P (else
+    dropped with a note); without a chunk they are dropped (the whole prompt is one call
+    over no past already)."""
     notes = []
     sizes_asked = tuple(sorted(set(chunk))) if isinstance(chunk, tuple) else (chunk,)
     if not sizes_asked or any(not _is_int(c) or c < 0 or (c and c & (c - 1)) for c in sizes_asked):
@@ -207,6 +223,14 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         if chunk == p:  # one chunk with an empty past: the whole prompt at once
             notes.append(f"prefill chunk size {chunk} is the max prompt length: the whole prompt at once")
             chunk = 0
+    asked_first = tuple(sorted(set(first)))
+    if any(not _is_int(f) or f <= 0 for f in asked_first):
+        raise UsageError(f"first prefill chunks must be positive sizes, got {list(first)}")
+    first = tuple(f for f in asked_first if chunk and f % chunk == 0 and f < p)
+    if first != asked_first:
+        why = (f"not multiples of the chunk {chunk} below the max prompt length {p}" if chunk
+               else "the prefill is not chunked")
+        notes.append(f"first prefill chunk {', '.join(str(f) for f in asked_first if f not in first)} dropped: {why}")
     r = _align_up(min_response_len, align) if align > 1 else min_response_len
     if r != min_response_len:
         notes.append(f"min response length {min_response_len} aligned up to {r} (multiple of {align})")
@@ -225,7 +249,7 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         sizes = tuple(sorted(set(asked) | {total}))
         if total not in asked:
             notes.append(f"generate variant {total} (= P + R) added: the largest variant must hold the capacity")
-    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes), bulk)
+    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes), bulk, first)
 
 
 @dataclass(frozen=True)

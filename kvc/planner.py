@@ -293,7 +293,7 @@ def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple
     if not chunk or chunk >= P:
         return float(costs.call(P))
     lengths, counts = np.unique(workload.prompts, return_counts=True)
-    per_length = [sum(float(costs.call(c)) for _, _, c in prefill_calls(0, int(n), (), P, (chunk, *bulk)))
+    per_length = [sum(float(costs.call(call.size)) for call in prefill_calls(0, int(n), (), P, (chunk, *bulk)))
                   for n in lengths]
     return float(np.dot(per_length, counts) / counts.sum())
 

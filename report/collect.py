@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvc.errors import InvalidModelError, KvcError, UsageError
-from kvc.export.manifest import model_kind, model_order
+from kvc.export.manifest import KINDS, model_kind, model_order
 
 TIMINGS = "timings.json"  # at the dump directory's root: the compile's phases
 VERIFICATION = "verification.json"  # at the dump directory's root: the probes' per-step numbers
@@ -239,7 +239,7 @@ def branch_order(name: str):
     if name == "common":
         return (0, False, 0)
     kind, size = model_kind(name)
-    return (1, kind == "generate", size or 0)
+    return (1, KINDS.index(kind), size or 0)
 
 
 def read_dumps(dumps: Path) -> list[Branch]:

@@ -3,8 +3,10 @@
 * Prefill is right-aligned (left-padded): a prompt of n ≤ P tokens sits in the last n slots;
   its valid cache rows are `present[P-n:P]`. Chunked prefill feeds C tokens at a time with
   a past of P - C slots; a partial last chunk is left-padded the same way. With bulk chunks
-  (prefill models of B > C tokens, past P - B) a long prompt takes fewer calls: the split
-  minimizes the rows computed plus CALL_ROWS per call (`prefill_calls`).
+  (prefill models of B > C tokens, past P - B) a long prompt takes fewer calls, and a
+  first-chunk model (F tokens, no past) computes a prompt's positions `[0, F)` reading the
+  prompt alone: the split minimizes the rows computed plus CALL_ROWS per call
+  (`prefill_calls`).
 * One KV buffer per cache tensor, sized for the largest variant; every variant reads a
   prefix of it (the past is left-aligned: rows `[0:num_stored]` are valid), so switching
   variants copies nothing.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,15 +85,20 @@ class StaticPipeline:
     """Drives one prefill session and generate sessions by size over one shared KV buffer."""
 
     def __init__(self, prefill: Session, generate: dict[int, Session], plan: StaticPlan, pad_token: int = 0,
-                 vocab: int | None = None, bulk: dict[int, Session] | None = None):
-        lengths, bulk = plan.lengths, bulk or {}
+                 vocab: int | None = None, bulk: dict[int, Session] | None = None,
+                 first: dict[int, Session] | None = None):
+        lengths, bulk, first = plan.lengths, bulk or {}, first or {}
         if sorted(generate) != sorted(lengths.sizes):
             raise UsageError(f"generate sessions {sorted(generate)} do not match the plan's sizes {list(lengths.sizes)}")
         if sorted(bulk) != list(lengths.bulk):
             raise UsageError(f"bulk prefill sessions {sorted(bulk)} do not match the plan's bulk chunks "
                              f"{list(lengths.bulk)}")
+        if sorted(first) != list(lengths.first):
+            raise UsageError(f"first-chunk sessions {sorted(first)} do not match the plan's first chunks "
+                             f"{list(lengths.first)}")
         self.prefill, self.generate_sessions, self.plan = prefill, generate, plan
         self.prefill_sessions = {lengths.chunk: prefill, **bulk}  # by chunk size (0: unchunked)
+        self.first_sessions = first  # by size: no past, nothing bound
         self.lengths, self.kv = lengths, plan.kv
         self.pad_token, self.vocab = pad_token, vocab  # vocab: token ids are checked against it when known
         # Held as the sessions take them: a bf16 cache is f32 holding bf16 values for kvc's
@@ -163,15 +171,16 @@ class StaticPipeline:
             logits = out["logits"][0]
             return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
         rows = []
-        for begin, end, size in prefill_calls(start, n, skip, P, (C, *self.lengths.bulk)):
-            session = self.prefill_sessions[size]
+        for begin, end, size, first in prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first):
+            session = (self.first_sessions if first else self.prefill_sessions)[size]
             chunk = prompt[begin:end]
-            k, stored = len(chunk), begin  # every row before `begin` is in place
+            k, stored = len(chunk), begin  # every row before `begin` is in place (none for a first chunk)
             ids = np.full((1, size), self.pad_token, np.int64)
             ids[0, size - k:] = chunk
-            mask = np.zeros((1, P), np.int64)
+            width = size if first else P  # the mask spans the past and the chunk's rows
+            mask = np.zeros((1, width), np.int64)
             mask[0, :stored] = 1
-            mask[0, P - k:] = 1
+            mask[0, width - k:] = 1
             pos = np.zeros((1, size), np.int64)
             pos[0, size - k:] = np.arange(stored, stored + k)
             out = session.infer(self.step_feed(session, ids, mask, pos))
@@ -354,38 +363,50 @@ def variants_run(lengths: LengthPlan, prompt_len: int, new_tokens: int, start: i
 CALL_ROWS = 64
 
 
-def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, ...]):
-    """The prefill calls (begin, end, chunk size) that compute positions `[start, n)` but the
-    `skip` spans (sorted, disjoint), gap by gap. A call of chunk c from position s computes
-    `[s, min(s + c, gap end))` over a past of P - c slots, so it must start at s <= P - c.
-    Each gap takes the split with the least rows computed (padding included) plus CALL_ROWS
-    a call; a tie goes to the smaller chunk first, so a bulk call reads the rows the smaller
-    ones wrote. A gap whose start no call can take (a restored history ending within the
-    last chunk before P) starts at the multiple of the smallest chunk below it instead,
-    computing again the rows from there."""
+class Call(NamedTuple):
+    """One prefill call: positions `[begin, end)` by the model of `size` rows (a first-chunk
+    model when `first`, else a chunk or bulk model over a past of P - size slots)."""
+
+    begin: int
+    end: int
+    size: int
+    first: bool = False
+
+
+def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, ...], first: tuple[int, ...] = ()):
+    """The prefill calls (`Call`) that compute positions `[start, n)` but the `skip` spans
+    (sorted, disjoint), gap by gap. A call of chunk c from position s computes
+    `[s, min(s + c, gap end))` over a past of P - c slots, so it must start at s <= P - c; a
+    call of a first chunk F computes `[0, min(F, gap end))` over no past, so only a gap at 0
+    takes one. Each gap takes the split with the least rows computed (padding included) plus
+    CALL_ROWS a call; a tie goes to a first chunk (it reads no past), then to the smaller
+    chunk first, so a bulk call reads the rows the smaller ones wrote. A gap whose start no
+    call can take (a restored history ending within the last chunk before P) starts at the
+    multiple of the smallest chunk below it instead, computing again the rows from there."""
     begin = start
     for a, b in (*skip, (n, n)):
         if begin < a:
-            yield from _gap_calls(begin, a, prompt_len, chunks)
+            yield from _gap_calls(begin, a, prompt_len, chunks, first)
         begin = b
 
 
-def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...]):
+def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...]):
     C = chunks[0]  # the others are multiples of it: every call but a gap's last ends on g0 + k * C
     for first in (g0, g0 - g0 % C):
         cost, choice = {g1: 0}, {}
         for s in reversed(range(first, g1, C)):
             cost[s] = float("inf")
-            for c in chunks:
+            options = [(f, True) for f in firsts if s == 0] + [(c, False) for c in chunks if s <= P - c]
+            for c, opens in options:
                 end = min(s + c, g1)
-                if s <= P - c and CALL_ROWS + c + cost[end] < cost[s]:
-                    cost[s], choice[s] = CALL_ROWS + c + cost[end], c
+                if CALL_ROWS + c + cost[end] < cost[s]:
+                    cost[s], choice[s] = CALL_ROWS + c + cost[end], (c, opens)
         if cost[first] < float("inf"):
             break
     s = first
     while s < g1:
-        c = choice[s]
-        yield s, min(s + c, g1), c
+        c, opens = choice[s]
+        yield Call(s, min(s + c, g1), c, opens)
         s = min(s + c, g1)
 
 

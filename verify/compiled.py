@@ -33,11 +33,13 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     each run is a full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU
     compile's numpy check).
 
-    With bulk chunks, one prompt of B + 9 tokens for each bulk chunk B, which `prefill_calls`
-    splits into a chunk C and a call of B over its rows (the split costs the same either way
-    round; a tie puts the small chunk first), with BULK_TOKENS new tokens: the bulk call's own
-    and one step that reads every row it wrote (the generate models are the other probes' to
-    check).
+    With bulk or first chunks, prompts until every chunk model has run over a real past and
+    every first-chunk model has run (`_model_probes`): for a bulk chunk B one of B + 9 tokens,
+    which `prefill_calls` splits into a chunk C and a call of B over its rows (the split costs
+    the same either way round; a tie puts the small chunk first), or with a first chunk F one
+    of F + B + 9 (F + 9, or F alone, is the first chunk's); each with BULK_TOKENS new tokens:
+    the last call's own and one step that reads every row it wrote (the generate models are
+    the other probes' to check).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
@@ -59,7 +61,7 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     for length in sorted(lengths):
         n = tokens if length == short else min(tokens, BULK_TOKENS)  # the chunk over a past: as a bulk call
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length))))
-    for length in sorted({min(plan.prompt, bulk + 9) for bulk in plan.bulk} - lengths):
+    for length in _model_probes(plan, sorted(lengths)):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
     first = next((s for s in plan.sizes[:-1] if s - plan.tokens >= 2), None)
@@ -73,6 +75,42 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
             n = min(tokens, BULK_TOKENS, max_new_tokens(plan, short))
             cases.append(Probe(rng.integers(1, vocab, short).tolist(), n, size))
     return cases
+
+
+def _model_probes(plan, lengths: list[int]) -> list[int]:
+    """The prompt lengths to add to `lengths` so that every chunk and bulk model runs over a
+    real past (a call from a position > 0) and every first-chunk model runs, by the calls
+    `prefill_calls` makes: for each model not yet run so, the shortest candidate that runs it
+    (a size plus 9, two sizes plus 9, a first chunk alone; see `probe_cases`). A first chunk F
+    always runs on F tokens; a chunk that no prompt from position 0 runs over a past (C with
+    a bulk chunk of 2C: a tie puts C first) runs from 0 in the short probe, and over a past
+    only when a session continues (`reuse`)."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    if not plan.chunk:
+        return []
+    sizes = (plan.chunk, *plan.bulk)
+
+    def runs(n: int) -> set:
+        return {(c.size, c.first) for c in prefill_calls(0, n, (), plan.prompt, sizes, plan.first)
+                if c.first or c.begin > 0}
+
+    every = (*sizes, *plan.first)
+    candidates = sorted({min(plan.prompt, n) for n in (*(x + 9 for x in every), *plan.first,
+                                                        *(x + y + 9 for x in every for y in every))})
+    done, added = set().union(*(runs(n) for n in lengths)), []
+    for want in [(c, False) for c in sizes] + [(f, True) for f in plan.first]:
+        if want in done:
+            continue
+        n = next((m for m in candidates if want in runs(m)), None)
+        if n is None and not want[1]:
+            continue
+        if n is None:
+            raise RuntimeError(f"no compile probe runs the {'first' if want[1] else 'chunk'} model of {want[0]} rows "
+                               f"(P {plan.prompt}, chunks {sizes}, first {plan.first})")
+        added.append(n)
+        done |= runs(n)
+    return sorted(added)
 
 
 def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
@@ -183,7 +221,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         prefilled.append((run, pipe.copy_rows(0, len(prompt))))
         if on_step is not None:
             on_step(i, steps)
-    for session in pipe.prefill_sessions.values():
+    for session in (*pipe.prefill_sessions.values(), *pipe.first_sessions.values()):
         session.release()
     rows = []
     for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):

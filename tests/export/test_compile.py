@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from kvc.plan import StaticOptions
 from kvc.export.compile import CompileOptions, compile_to
 from kvc.export.load import open_compiled
 from kvc.export.manifest import read_manifest
+from tests.cli.runner import SMALL as CLI_SMALL, kvc
 
 SMALL = StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))
 
@@ -706,3 +708,50 @@ def test_the_library_builds_what_kvc_compile_builds(tmp_path):
     for entry in cli["models"].values():
         assert (tmp_path / "cli" / entry["xml"]).read_bytes() == (tmp_path / "lib" / entry["xml"]).read_bytes()
     assert StaticOptions().kv_precision == "f32" and compile_static(("NPU",)).kv_precision == "f16"
+
+
+def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_path):
+    """--prefill-first 32 (chunk 16, P 64): a model of 32 rows with no past input, named
+    first-32, runs positions [0, 32) of a fresh prompt; the compile's probes run it (the
+    probe of 25 tokens) and its rows pass the check against the source; generation from the
+    directory gives the unchunked pipeline's tokens."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", "16", "--prefill-first", "32")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"]["lengths"]["prefill_first_chunks"] == [32]
+    first = manifest["models"]["first-32"]
+    assert {p["name"] for p in first["inputs"]} == {"input_ids", "attention_mask", "position_ids"}
+    assert [p["shape"] for p in first["inputs"] if p["name"] == "attention_mask"] == [[1, 32]]
+    probes = [p["prompt_tokens"] for p in manifest["verification"]["results"]]
+    from kvc.runtime.static_pipeline import prefill_calls
+    assert any(c.first for n in probes for c in prefill_calls(0, n, (), 64, (16,), (32,)))
+    whole = tmp_path / "whole"
+    kvc("compile", fixtures.path("llama"), "-o", whole, *CLI_SMALL, "--prefill-chunk-size", "0", "--no-verify")
+    for ids in ("1,2,3", ",".join(str(i) for i in range(5, 45))):
+        got = kvc("run", out, "--prompt-ids", ids, "--max-new-tokens", "5", "--backend", "numpy", "--json")
+        want = kvc("run", whole, "--prompt-ids", ids, "--max-new-tokens", "5", "--backend", "numpy", "--json")
+        assert json.loads(got.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
+
+
+def test_a_first_chunk_model_that_writes_wrong_rows_is_refused(tmp_path, monkeypatch):
+    """The check is not fooled by a first-chunk model: its KV rows negated (in the IR's runs
+    and the blobs') fail the compile (exit 4) at the probe that runs it."""
+    from kvc.runtime.static_pipeline import StaticPipeline
+
+    real_init = StaticPipeline.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        for session in self.first_sessions.values():
+            def wrong(feed, infer=session.infer):
+                out = dict(infer(feed))
+                for spec in self.kv:
+                    out[spec.output] = -out[spec.output]
+                return out
+            session.infer = wrong
+
+    monkeypatch.setattr(StaticPipeline, "__init__", init)
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *CLI_SMALL, "--prefill-chunk-size", "16",
+                 "--prefill-first", "32", code=4)
+    assert re.search(r"prompt of 25 tokens: (step \d+'s logits are not|KV cache row \d+ of past_key_values)",
+                     result.output), result.output

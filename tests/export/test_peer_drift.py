@@ -1,7 +1,8 @@
 """The blob check's bounds widened by the plugin's own drift (kvc.verify.peer_drift): bloom at
 its own P (1024: ALiBi states no position limit) compiles at bf16, where OpenVINO's own bf16
-run of the source drifts past the fixed bounds on the 521-token probe; a fault past twice
-that drift, or in exact blobs, is still refused."""
+run of the source drifts past the fixed bounds on the 521-token probe that a bulk chunk of 512
+brings (LONG: the default chunks' longest probe has 265 tokens, within the bounds); a fault
+past twice that drift, or in exact blobs, is still refused."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from kvc.verify.cache_rows import BLOB_ROW_ERROR
 from kvc.verify.peer_drift import NRMSE_CEILING, PEER_FACTOR, ROW_CEILING, Drift
 from tests.cli.runner import kvc
 
+LONG = ("--prefill-chunk-size", "16,128,512", "--prefill-first", "0")  # probes of 7, 25, 137 and 521 tokens
+
 
 def test_bloom_at_its_own_prompt_length_compiles_at_bf16_within_the_plugins_own_drift(tmp_path):
     out = tmp_path / "bloom"
-    result = kvc("compile", fixtures.path("bloom"), "-o", out, "--inference-precision", "bf16")
+    result = kvc("compile", fixtures.path("bloom"), "-o", out, "--inference-precision", "bf16", *LONG)
     rows = json.loads((out / MANIFEST).read_text())["blob_check"]
     long = next(r for r in rows if r["prompt_tokens"] == 521)
     # The plugin's own bf16 run of the source is past the fixed bound itself: drift, not a fault.
@@ -61,7 +64,7 @@ def test_a_fault_past_the_plugins_own_drift_is_refused(precision, tmp_path, monk
     and does not excuse them; exact blobs are never judged against a peer."""
     monkeypatch.setattr(cache_rows, "stored_rows", _flip_rows_past(515))
     out = tmp_path / precision
-    result = kvc("compile", fixtures.path("bloom"), "-o", out, "--inference-precision", precision, code=4)
+    result = kvc("compile", fixtures.path("bloom"), "-o", out, "--inference-precision", precision, *LONG, code=4)
     assert re.search(r"prompt of 521 tokens: KV cache row 5(1[5-9]|2\d) of past_key_values\.\d+\.(key|value) is not "
                      r"the IR's: its error is 2 of the row's RMS", result.output)
     assert not out.exists()
@@ -96,7 +99,8 @@ def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypat
 
     monkeypatch.setattr(cache_rows, "stored_rows", _flip_rows_past(515))
     monkeypatch.setattr(peer_drift.Peer, "drift", broken)
-    result = kvc("compile", fixtures.path("bloom"), "-o", tmp_path / "out", "--inference-precision", "bf16", code=4)
+    result = kvc("compile", fixtures.path("bloom"), "-o", tmp_path / "out", "--inference-precision", "bf16", *LONG,
+                 code=4)
     assert "is not the IR's: its error is 2 of the row's RMS" in result.output
     assert "run of the source model, which could widen the bounds, failed: cannot compile for CPU" in result.output
     assert not (tmp_path / "out").exists()

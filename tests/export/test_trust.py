@@ -269,10 +269,11 @@ def test_without_rotate_half_rope_the_blob_check_refuses_gpt_oss(tmp_path):
 
 @pytest.fixture(scope="module")
 def bulky(tmp_path_factory, source):
-    """A directory with a bulk prefill model: chunks of 16, bulk 32 (P 64), an f16 cache."""
+    """A directory with a bulk prefill model and a first-chunk one: chunks of 16, bulk 32,
+    first 32 (P 64), an f16 cache."""
     out = tmp_path_factory.mktemp("trust") / "bulk"
-    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--kv-precision",
-        "f16", "--no-verify")
+    kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--prefill-first", "32",
+        "--kv-precision", "f16", "--no-verify")
     return out
 
 
@@ -291,6 +292,15 @@ def _rename_model(models, old, new):
     (lambda m: next(p for p in m["models"]["prefill-32"]["inputs"] if p["name"] == "past_key_values.0.value")
      .update(shape=[1, 2, 48, 16]), "model 'prefill-32''s input 'past_key_values.0.value' does not match the plan's "
                                    "KV layout (expected f16 [1, 2, 32, 16]"),
+    (lambda m: m["models"].pop("first-32"),
+     "the first-chunk models are not the plan's first chunks (expected [32], found [])"),
+    (lambda m: m["plan"]["lengths"].update(prefill_first_chunks=[24]),
+     "malformed plan: ValueError: first chunks [24] must be multiples of the chunk 16 below P 64"),
+    (lambda m: m["models"]["first-32"]["inputs"].append(
+        dict(next(p for p in m["models"]["prefill"]["inputs"] if p["name"] == "past_key_values.0.key"))),
+     "first-chunk model 'first-32' reads a past (expected no past input, found input 'past_key_values.0.key')"),
+    (lambda m: next(p for p in m["models"]["first-32"]["inputs"] if p["name"] == "attention_mask").update(shape=[1, 64]),
+     "model 'first-32''s attention_mask does not match the plan's lengths (expected [1, 32], found [1, 64])"),
 ])
 def test_a_manifest_whose_bulk_prefill_disagrees_with_its_plan_is_refused(bulky, tmp_path, damage, message):
     out = tmp_path / "out"
@@ -302,8 +312,10 @@ def test_a_manifest_whose_bulk_prefill_disagrees_with_its_plan_is_refused(bulky,
 
 
 def test_a_manifest_from_before_bulk_chunks_still_opens(compiled):
-    """Manifests written before bulk chunks have no prefill_bulk_chunks: none."""
+    """Manifests written before bulk (or first) chunks have no prefill_bulk_chunks (or
+    prefill_first_chunks): none."""
     m = json.loads((compiled / MANIFEST).read_text())
     assert m["plan"]["lengths"].pop("prefill_bulk_chunks") == []
+    assert m["plan"]["lengths"].pop("prefill_first_chunks") == []
     (compiled / MANIFEST).write_text(dumps(m))
     assert "generated (4 tokens)" in run(compiled).output

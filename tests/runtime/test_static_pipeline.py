@@ -118,38 +118,47 @@ def test_long_prompts_run_in_bulk_calls_over_the_rows_before_them():
 
 def test_prefill_calls_are_the_cheapest_valid_split():
     """Every split covers exactly the positions to compute, each call starts where its model's
-    past reaches (s <= P - c), and no other split of the same positions costs less."""
+    past reaches (s <= P - c; a first chunk only at 0), and no other split of the same
+    positions costs less; on a tie a first chunk takes position 0."""
     import itertools
 
     from kvc.runtime.static_pipeline import CALL_ROWS, prefill_calls
 
     def cost(calls):
-        return sum(CALL_ROWS + c for _, _, c in calls)
+        return sum(CALL_ROWS + call[2] for call in calls)
 
-    def brute(start, n, P, chunks):  # every sequence of chunk sizes, each call valid
+    def brute(start, n, P, chunks, firsts):  # every sequence of calls, each valid
         best = None
+        models = [(c, False) for c in chunks] + [(f, True) for f in firsts]
         for k in range(1, -(-(n - start) // chunks[0]) + 1):
-            for sizes in itertools.product(chunks, repeat=k):
+            for sizes in itertools.product(models, repeat=k):
                 s, calls = start, []
-                for c in sizes:
-                    if s >= n or s > P - c:
+                for c, first in sizes:
+                    if s >= n or (s != 0 if first else s > P - c):
                         break
-                    calls.append((s, min(s + c, n), c))
+                    calls.append((s, min(s + c, n), c, first))
                     s = min(s + c, n)
                 if s == n and len(calls) == k and (best is None or cost(calls) < cost(best)):
                     best = calls
         return best
 
-    for P, chunks in ((64, (16,)), (64, (16, 32)), (128, (16, 64)), (128, (16, 32, 64))):
+    for P, chunks, firsts in ((64, (16,), ()), (64, (16, 32), ()), (128, (16, 64), ()), (128, (16, 32, 64), ()),
+                              (64, (16,), (32,)), (128, (16, 32), (32, 64)), (128, (16, 64), (64,))):
         for start, n in ((0, 1), (0, 17), (0, 33), (0, 50), (0, P), (16, P), (32, 50)):
-            calls = list(prefill_calls(start, n, (), P, chunks))
-            assert [b for b, _, _ in calls[1:]] == [e for _, e, _ in calls[:-1]], (P, chunks, start, n)
-            assert calls[0][0] == start and calls[-1][1] == n
-            assert all(b <= P - c and e - b <= c for b, e, c in calls)
-            assert cost(calls) == cost(brute(start, n, P, chunks)), (P, chunks, start, n, calls)
-    # skipped spans are not computed; a gap takes bulk calls too
+            calls = list(prefill_calls(start, n, (), P, chunks, firsts))
+            assert [c.begin for c in calls[1:]] == [c.end for c in calls[:-1]], (P, chunks, start, n)
+            assert calls[0].begin == start and calls[-1].end == n
+            assert all((b == 0 and c in firsts) if first else (b <= P - c and c in chunks)
+                       for b, e, c, first in calls)
+            assert all(e - b <= c for b, e, c, _ in calls)
+            assert cost(calls) == cost(brute(start, n, P, chunks, firsts)), (P, chunks, firsts, start, n, calls)
+            if start == 0 and any(n <= f for f in firsts) and cost(calls) == CALL_ROWS + min(f for f in firsts if n <= f):
+                assert calls[0].first, (P, chunks, firsts, n, calls)
+    # skipped spans are not computed; a gap takes bulk calls too, and a first chunk only at 0
     calls = list(prefill_calls(0, 64, ((16, 32),), 64, (16, 32)))
-    assert calls == [(0, 16, 16), (32, 64, 32)]
+    assert calls == [(0, 16, 16, False), (32, 64, 32, False)]
+    calls = list(prefill_calls(0, 100, ((20, 40),), 128, (16, 32), (32,)))
+    assert calls[0] == (0, 20, 32, True) and calls[1].begin == 40 and not any(c.first for c in calls[1:])
 
 
 def test_restored_rows_ending_in_the_last_chunk_still_give_the_whole_prefills_tokens():
