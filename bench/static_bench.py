@@ -99,7 +99,8 @@ def child_decode(compiled: Path, prompt_len: int, steps: int, rounds: int, profi
     kinds = {n: model_kind(n) for n in manifest["models"]}
     generate = {size: session(n) for n, (kind, size) in kinds.items() if kind == "generate"}
     bulk = {size: session(n) for n, (kind, size) in kinds.items() if kind == "prefill" and size}
-    pipe = StaticPipeline(session("prefill"), generate, plan_of(manifest), bulk=bulk)
+    first = {size: session(n) for n, (kind, size) in kinds.items() if kind == "first"}
+    pipe = StaticPipeline(session("prefill"), generate, plan_of(manifest), bulk=bulk, first=first)
     prompt = np.random.default_rng(0).integers(1, 32000, prompt_len)
     prefill, per_token, variants = [], [], None
     for _ in range(rounds):
