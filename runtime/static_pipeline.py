@@ -357,10 +357,22 @@ def variants_run(lengths: LengthPlan, prompt_len: int, new_tokens: int, start: i
     return steps
 
 
-# What a prefill call costs beyond its rows, in rows: a pass over the weights. Measured on the
-# 250M Llama at bf16 (docs/benchmarks.md): a 64-token call 61 ms, a 512-token one 299 ms, so
-# 27 ms + 0.53 ms a row, the fixed part worth 51 rows.
-CALL_ROWS = 64
+def host_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this host's CPU has AMX (Linux's `amx_tile` flag; False where it cannot tell)."""
+    try:
+        with open(cpuinfo) as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+# What a prefill call costs beyond its rows, in rows: a pass over the weights and the call's
+# attention over its past. Measured on the 250M Llama at bf16 (docs/benchmarks.md): with AMX a
+# 64-token call 61 ms, a 512-token one 299 ms, so 27 ms + 0.53 ms a row, the fixed part worth
+# 51 rows; without AMX (AVX512_BF16) a prefill is compute-bound, a 16-row call 31 ms and a
+# 128-row one 167, so 11.6 ms + 1.2 ms a row, about 10 rows, 16 taken: a 40-token prompt then
+# runs three 16-row calls, 104 ms, instead of the first-chunk model's 128 rows, 145 ms.
+CALL_ROWS = 64 if host_has_amx() else 16
 
 
 class Call(NamedTuple):

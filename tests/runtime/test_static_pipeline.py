@@ -161,6 +161,25 @@ def test_prefill_calls_are_the_cheapest_valid_split():
     assert calls[0] == (0, 20, 32, True) and calls[1].begin == 40 and not any(c.first for c in calls[1:])
 
 
+def test_a_calls_fixed_cost_follows_the_host(tmp_path, monkeypatch):
+    """CALL_ROWS is 64 with AMX (a call's pass over the weights worth 51 rows there) and 16
+    without (a compute-bound prefill: about 10): a 40-token prompt with chunks 16 + 128 and a
+    first chunk of 128 takes the first-chunk model on an AMX host and three 16-row calls
+    elsewhere. AMX is read from the cpuinfo flags."""
+    import kvc.runtime.static_pipeline as sp
+
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    assert sp.host_has_amx(str(flags))
+    flags.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert not sp.host_has_amx(str(flags)) and not sp.host_has_amx(str(tmp_path / "absent"))
+    splits = {}
+    for rows in (64, 16):
+        monkeypatch.setattr(sp, "CALL_ROWS", rows)
+        splits[rows] = [(c.size, c.first) for c in sp.prefill_calls(0, 40, (), 1024, (16, 128), (128,))]
+    assert splits == {64: [(128, True)], 16: [(16, False)] * 3}
+
+
 def test_restored_rows_ending_in_the_last_chunk_still_give_the_whole_prefills_tokens():
     """A chat session's history can end anywhere: with P 64 and chunks of 16, 50 restored rows
     leave positions 50..63, which a chunk started at 50 cannot take (its past holds 48 rows:
