@@ -130,16 +130,22 @@ def pass_plugin_option(f):
                         help="Import a Python file that registers passes (then usable in --passes); repeatable.")(f)
 
 
-def _chunk_value(ctx, param, value):
-    """auto, one size, or sizes like 64,512 (the smallest the chunk, the others bulk chunks)."""
-    if value == "auto":
-        return value
+def _sizes(value, expected: str) -> tuple[int, ...]:
+    """Comma-separated sizes >= 0, or a BadParameter naming what was `expected`."""
     try:
         sizes = tuple(int(v) for v in str(value).split(","))
     except ValueError:
         sizes = (-1,)
     if any(s < 0 for s in sizes):
-        raise click.BadParameter(f"expected auto, a size >= 0 or sizes like 64,512, found {value!r}")
+        raise click.BadParameter(f"expected {expected}, found {value!r}")
+    return sizes
+
+
+def _chunk_value(ctx, param, value):
+    """auto, one size, or sizes like 64,512 (the smallest the chunk, the others bulk chunks)."""
+    if value == "auto":
+        return value
+    sizes = _sizes(value, "auto, a size >= 0 or sizes like 64,512")
     return sizes[0] if len(sizes) == 1 else sizes
 
 
@@ -147,11 +153,8 @@ def _first_value(ctx, param, value):
     """auto, 0 (none), or sizes like 128 or 64,128."""
     if value == "auto":
         return value
-    try:
-        sizes = tuple(int(v) for v in str(value).split(","))
-    except ValueError:
-        sizes = (-1,)
-    if any(s < 0 for s in sizes) or (len(sizes) > 1 and 0 in sizes):
+    sizes = _sizes(value, "auto, 0 or sizes like 128 or 64,128")
+    if len(sizes) > 1 and 0 in sizes:
         raise click.BadParameter(f"expected auto, 0 or sizes like 128 or 64,128, found {value!r}")
     return () if sizes == (0,) else sizes
 

@@ -228,7 +228,7 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         raise UsageError(f"first prefill chunks must be positive sizes, got {list(first)}")
     first = tuple(f for f in asked_first if chunk and f % chunk == 0 and f < p)
     if first != asked_first:
-        why = (f"not multiples of the chunk {chunk} below the max prompt length {p}" if chunk
+        why = (f"not a multiple of the chunk {chunk} below the max prompt length {p}" if chunk
                else "the prefill is not chunked")
         notes.append(f"first prefill chunk {', '.join(str(f) for f in asked_first if f not in first)} dropped: {why}")
     r = _align_up(min_response_len, align) if align > 1 else min_response_len
