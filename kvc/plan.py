@@ -227,10 +227,11 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     if any(not _is_int(f) or f <= 0 for f in asked_first):
         raise UsageError(f"first prefill chunks must be positive sizes, got {list(first)}")
     first = tuple(f for f in asked_first if chunk and f % chunk == 0 and f < p)
-    if first != asked_first:
-        why = (f"not a multiple of the chunk {chunk} below the max prompt length {p}" if chunk
-               else "the prefill is not chunked")
-        notes.append(f"first prefill chunk {', '.join(str(f) for f in asked_first if f not in first)} dropped: {why}")
+    for f in asked_first:
+        why = ("the prefill is not chunked" if not chunk else f"not below the max prompt length {p}" if f >= p
+               else f"not a multiple of the chunk {chunk}" if f % chunk else None)
+        if why:
+            notes.append(f"first prefill chunk {f} dropped: {why}")
     r = _align_up(min_response_len, align) if align > 1 else min_response_len
     if r != min_response_len:
         notes.append(f"min response length {min_response_len} aligned up to {r} (multiple of {align})")
