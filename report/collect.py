@@ -40,7 +40,7 @@ from kvc.export.manifest import KINDS, model_kind, model_order
 TIMINGS = "timings.json"  # at the dump directory's root: the compile's phases
 VERIFICATION = "verification.json"  # at the dump directory's root: the probes' per-step numbers
 RECORD_VERSION = 1
-_BRANCH = re.compile(r"^(common|prefill(-\d+)?|generate-\d+)$")
+_BRANCH = re.compile(r"^(common|prefill(-\d+)?|first-\d+|generate-\d+)$")
 _PASS_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,80}$")
 DIFF_LINES = 4000  # per pass in the page; longer diffs are cut, with the file to read named
 

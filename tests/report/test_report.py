@@ -232,3 +232,14 @@ def test_one_branch_of_dumps_can_be_given(compiled, tmp_path):
     doc = Elements((tmp_path / "r.html").read_text())
     assert {a["data-branch"] for t, a in doc.tags if "data-branch" in a} == {"prefill"}
     assert "the time and bytes of each compile phase are recorded" in " ".join(doc.text)
+
+
+def test_every_models_dumps_are_read_in_model_order(tmp_path):
+    """Bulk and first-chunk models' dumps are branches of the report too, in model order."""
+    from kvc.report.collect import read_dumps
+
+    out = tmp_path / "out"
+    kvc("compile", "-o", out, "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "16,32",
+        "--prefill-first", "32", "--no-verify", "--dumps")
+    assert [b.name for b in read_dumps(out / "dumps")] == ["common", "prefill", "prefill-32", "first-32",
+                                                           "generate-128"]
