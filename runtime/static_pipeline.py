@@ -158,21 +158,13 @@ class StaticPipeline:
         are the rows of each `skip` span); return the last position's logits and the computed
         positions' logits (None unless every position was computed)."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
-        if not C:
-            ids = np.full((1, P), self.pad_token, np.int64)
-            ids[0, P - n:] = prompt
-            mask = np.zeros((1, P), np.int64)
-            mask[0, P - n:] = 1
-            pos = np.zeros((1, P), np.int64)
-            pos[0, P - n:] = np.arange(n)
-            out = self.prefill.infer(self.step_feed(self.prefill, ids, mask, pos))
-            for spec in self.kv:
-                self._store(spec, out[spec.output], 0, slice(P - n, P))
-            logits = out["logits"][0]
-            return logits[-1], (logits[P - n:] if logits.shape[0] == P else None)
+        if C:
+            calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first)
+        else:  # the whole prompt in one call over no past, as a first chunk of P rows is
+            calls = [Call(0, n, P, True)]
         rows = []
-        for begin, end, size, first in prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first):
-            session = (self.first_sessions if first else self.prefill_sessions)[size]
+        for begin, end, size, first in calls:
+            session = (self.first_sessions if first else self.prefill_sessions)[size] if C else self.prefill
             chunk = prompt[begin:end]
             k, stored = len(chunk), begin  # every row before `begin` is in place (none for a first chunk)
             ids = np.full((1, size), self.pad_token, np.int64)

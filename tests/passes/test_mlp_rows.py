@@ -17,6 +17,7 @@ from kvc.export.compile import compile_static
 from kvc.passes import PassManager, parse_pipeline
 from kvc.plan import StaticOptions
 from kvc.runtime.session import NumpySession
+from kvc.runtime.static_pipeline import host_has_amx
 
 OPTIONS = dict(max_prompt_len=32, min_response_len=16, prefill_chunk_size=8, kv_precision="f32")
 
@@ -81,13 +82,6 @@ def test_generate_models_keep_their_mlp():
         assert ("mlp-rows" in pipeline) == name.startswith("prefill"), name
 
 
-def _amx() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def test_the_cpu_plugin_does_not_fuse_rows_into_llmmlp():
     """At bf16 on an AMX host the plugin fuses the exported MLP into LLMMLP and not the rows form;
     elsewhere it fuses neither (the fusion is registered only for AMX at bf16/f16)."""
@@ -97,7 +91,7 @@ def test_the_cpu_plugin_does_not_fuse_rows_into_llmmlp():
         compiled = core.compile_model(prefill("llama", mlp), "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
         kinds[mlp] = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert "LLMMLP" not in kinds["rows"]
-    assert ("LLMMLP" in kinds["as-is"]) == _amx()
+    assert ("LLMMLP" in kinds["as-is"]) == host_has_amx()
 
 
 def test_kvc_compile_resolves_rows_for_cpu_at_bf16_only():
