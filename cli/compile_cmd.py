@@ -114,7 +114,7 @@ def source_name(path: Path, bundled: bool) -> str:
 
 
 def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
-    from kvc.export.manifest import model_order
+    from kvc.export.manifest import model_order, shared_with
     from kvc.plan import chunk_label
 
     L = manifest["plan"]["lengths"]
@@ -130,7 +130,7 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
         shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
         blobs = ", ".join(f"{d} {human_bytes(b['bytes'])} {b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
-                          for d, b in m["blobs"].items()) or "-"
+                          + shared_with(name, b) for d, b in m["blobs"].items()) or "-"
         rows.append((name, shapes.get("input_ids", "-"), shapes.get("attention_mask", "-"), past, blobs))
     click.echo(table(["model", "input_ids", "attention_mask", "past KV", "blobs"], rows))
     weights = out / manifest["weights"]

@@ -70,6 +70,17 @@ def blob_key(text: str, digests: dict[tuple[int, int], str], device: str, config
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
+def group_key(names: tuple[str, ...], keys: dict[str, str]) -> str | None:
+    """The key of the blob of `names` (one model, or the If over a pair: export/branches.py)
+    from each model's key in `keys`; None when one is not keyed."""
+    if not all(name in keys for name in names):
+        return None
+    if len(names) == 1:
+        return keys[names[0]]
+    record = {"format": FORMAT, "branches": [[name, keys[name]] for name in names]}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
 class BlobCache:
     """A directory of blobs by key; `warn` is told why an entry was not used."""
 

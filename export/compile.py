@@ -3,6 +3,8 @@
     OUT/prefill.xml, OUT/generate-<T>.xml   static IR, all reading OUT/weights.bin
     OUT/weights.bin                          every weight once
     OUT/<model>.<DEVICE>.blob                compiled blobs (CPU: weightless, reads weights.bin)
+    OUT/first-<F>+<model>.CPU.blob           a first chunk and the prefill model of its rows: one
+                                             CPU blob, their weights packed once (export/branches.py)
     OUT/dumps/                               pass-by-pass IR dumps, when asked for
     OUT/manifest.json                        written last (kvc.export.manifest)
 
@@ -27,7 +29,7 @@ from typing import Callable
 
 from kvc import __version__
 from kvc.errors import OutputError, UsageError, VerificationError
-from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, keyable
+from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, group_key, keyable
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.mapped import pages_released
@@ -93,8 +95,9 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # a 100-token prompt's one call cost 167 ms on a compute-bound host (AVX512_BF16, no AMX)
 # where the first-chunk model, reading the prompt alone, costs 138 (the stateful model 131).
 # The 512 bulk chunk it replaces saved nothing there (one 512-row call 650 ms, four 128-row
-# ones 640), and the prefill models' MLPs stay off LLMMLP (mlp-rows), so four models fit the
-# opening memory. Bulk and first chunks are dropped where P is not above them.
+# ones 640), and the first chunk shares one CPU blob, and one packing of the weights, with the
+# bulk chunk of its size (export/branches.py): four models, three packings (1543 MB held against
+# 1961 apart). Bulk and first chunks are dropped where P is not above them.
 CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
 CPU_FIRST = {"bf16": (128,), "f16": (128,)}
 
@@ -368,10 +371,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         if cache is not None:
             digests = hashes.range_digests(work / WEIGHTS_FILE, ranges)
             keys = _blob_keys(texts, digests, device, options.inference_precision)
-        for name, blob in _export_blobs(work, xmls, device, options.inference_precision, progress, compiler,
+        for name, blob in _export_blobs(work, xmls, models, device, options.inference_precision, progress, compiler,
                                         cache, keys).items():
             models[name]["blobs"][device] = blob
-            hashes.start(work / blob["file"])
+        for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
+            hashes.start(work / file)
     manifest = {
         "format": FORMAT,
         "kvc_version": __version__,
@@ -484,27 +488,35 @@ def _blob_keys(texts: dict[str, str], digests: dict, device: str, precision: str
             if keyable(text)}
 
 
-def _export_blobs(work: Path, xmls: dict[str, Path], device: str, precision: str, progress, compiler,
-                  cache: BlobCache | None, keys: dict[str, str]) -> dict[str, dict]:
+def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], device: str, precision: str,
+                  progress, compiler, cache: BlobCache | None, keys: dict[str, str]) -> dict[str, dict]:
     """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
     write its blob, or take it from `cache` when it holds the blob of the model's key in
-    `keys`; the manifest entry of each."""
+    `keys`; the manifest entry of each. The pairs `branch_pairs` finds in `models` (their
+    manifest entries) are compiled as one If, one blob for both (export/branches.py)."""
+    from kvc.export.branches import branch_pairs
+
     config = device_config(device, for_export=True, precision=precision)
+    paired = {name: pair for pair in branch_pairs({n: models[n] for n in xmls}, device) for name in pair}
+    units = list(dict.fromkeys(paired.get(name, (name,)) for name in xmls))
     blobs = {}
-    progress(f"compiling {', '.join(xmls)} for {device}")
-    for i, (name, xml) in enumerate(xmls.items(), 1):
-        path = work / blob_name(name, device)
-        entry = cache.get(keys[name], name, path) if name in keys else None
+    progress(f"compiling {', '.join('+'.join(unit) for unit in units)} for {device}")
+    for i, unit in enumerate(units, 1):
+        label = "+".join(unit)
+        path = work / blob_name(label, device)
+        key = group_key(unit, keys)
+        entry = cache.get(key, label, path) if key is not None else None
         if entry is not None:
-            progress(f"reused from the blob cache ({i}/{len(xmls)}): {name} for {device}")
+            progress(f"reused from the blob cache ({i}/{len(units)}): {label} for {device}")
         else:
-            done = compiler.compile(name, xml, work / WEIGHTS_FILE, device, config, path)
+            branches = {name: xmls[name] for name in unit} if len(unit) > 1 else None
+            done = compiler.compile(label, xmls[unit[0]], work / WEIGHTS_FILE, device, config, path, branches)
             entry = {"file": path.name, "bytes": done["bytes"], "compile_config": config,
-                     "import_config": done["import_config"]}
-            if name in keys:
-                cache.put(keys[name], path, entry)
-            progress(f"compiled for {device} ({i}/{len(xmls)}): {name}")
-        blobs[name] = entry
+                     "import_config": done["import_config"], **({"branches": list(unit)} if branches else {})}
+            if key is not None:
+                cache.put(key, path, entry)
+            progress(f"compiled for {device} ({i}/{len(units)}): {label}")
+        blobs.update(dict.fromkeys(unit, entry))
     return blobs
 
 

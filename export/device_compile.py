@@ -81,11 +81,15 @@ class DeviceCompiler:
             server.kill()
             server.wait()
 
-    def compile(self, name: str, xml: Path, weights: Path, device: str, config: dict, blob: Path) -> dict:
+    def compile(self, name: str, xml: Path, weights: Path, device: str, config: dict, blob: Path,
+                branches: dict[str, Path] | None = None) -> dict:
         """Compile `xml` (over `weights`) for `device` with `config` in a fresh fork; write the
-        blob to `blob` (atomically) and return {"bytes", "import_config"}."""
+        blob to `blob` (atomically) and return {"bytes", "import_config"}. With `branches`
+        (CPU: then and else model by name, their xml), the If over them (export/branches.py)."""
         request = {"name": name, "xml": str(xml), "weights": str(weights), "device": device, "config": config,
                    "blob": str(blob)}
+        if branches:
+            request["branches"] = {branch: str(path) for branch, path in branches.items()}
         if self._server is None:
             return _compile_one(request)
         try:
@@ -118,9 +122,20 @@ def _compile_one(request: dict) -> dict:
     from kvc.ir.writer import write_bytes_atomic
 
     name, device, config = request["name"], request["device"], request["config"]
-    model = load(request["xml"], weights=request["weights"])
-    if device == "CPU":
-        embed_small_constants(model)
+    if "branches" in request:  # one If over the models, their constants read over one mapping
+        from kvc.export.branches import branch_model
+        from kvc.ir.reader import map_weights
+
+        mapped = map_weights(request["weights"])  # noqa: F841  (under the models' constants while they compile)
+        bodies = {branch: load(xml, weights=request["weights"], mapped=mapped)
+                  for branch, xml in request["branches"].items()}
+        for body in bodies.values():
+            embed_small_constants(body)
+        model = branch_model(bodies)
+    else:
+        model = load(request["xml"], weights=request["weights"])
+        if device == "CPU":
+            embed_small_constants(model)
     try:
         compiled = core().compile_model(model, device, config)
         blob = compiled.export_model().getvalue()

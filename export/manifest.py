@@ -215,6 +215,36 @@ def _check_structure(manifest: dict, path: Path) -> None:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "in files")
     _check_plan_against_ports(manifest, plan, bad)
+    for model_name, model in manifest["models"].items():
+        for device, blob in model["blobs"].items():
+            if "branches" in blob:
+                _check_branches(manifest["models"], model_name, device, blob, bad)
+
+
+def _check_branches(models: dict, name: str, device: str, blob: dict, bad) -> None:
+    """An If blob (export/branches.py) lists two models, this one among them, each listing the
+    same file and branches for the device, with identical outputs."""
+    branches = blob["branches"]
+    if not (isinstance(branches, list) and len(branches) == 2 and len(set(map(str, branches))) == 2
+            and name in branches and all(isinstance(m, str) and m in models for m in branches)):
+        raise bad(f"model {name!r}'s {device} blob has malformed branches",
+                  expected="[then, else]: two models of the manifest, this one among them", found=repr(branches)[:80])
+    for other in branches:
+        theirs = models[other]["blobs"].get(device) or {}
+        if theirs.get("file") != blob["file"] or theirs.get("branches") != branches:
+            raise bad(f"models {name!r} and {other!r} disagree on their shared {device} blob",
+                      expected=f"{blob['file']} with branches {branches}",
+                      found=f"{theirs.get('file')} with branches {theirs.get('branches')}")
+        outputs = [(p["name"], p["element_type"], p["shape"]) for p in models[other]["outputs"]]
+        if outputs != [(p["name"], p["element_type"], p["shape"]) for p in models[name]["outputs"]]:
+            raise bad(f"models {name!r} and {other!r} share a {device} blob but not their outputs",
+                      expected="identical outputs", found=f"{other!r}'s differ")
+
+
+def shared_with(name: str, blob: dict) -> str:
+    """For a summary: " (one blob with <the other model>)" for an If blob, else ""."""
+    others = [m for m in blob.get("branches", ()) if m != name]
+    return f" (one blob with {others[0]})" if others else ""
 
 
 def _is_port(p) -> bool:

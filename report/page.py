@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvc import __version__
 from kvc.errors import InvalidModelError, OutputError
-from kvc.export.manifest import model_order
+from kvc.export.manifest import model_order, shared_with
 from kvc.plan import chunk_label
 from kvc.report.collect import Branch, ReportData, collect
 from kvc.report.svg import bars_svg, steps_svg, subgraph_svg
@@ -182,7 +182,7 @@ def _models(d: ReportData) -> str:
         shapes = {p["name"]: "×".join(map(str, p["shape"])) for p in entry["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), None)
         blobs = "; ".join(f"{dev} {_bytes(b['bytes']) if isinstance(b.get('bytes'), int) else '?'} "
-                          f"{b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
+                          f"{b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip() + shared_with(name, b)
                           for dev, b in sorted(entry["blobs"].items()))
         rows.append([name, entry["xml"], shapes.get("input_ids"), shapes.get("attention_mask"), past, blobs or None])
         port_rows = [[side, p["name"], p["element_type"], "×".join(map(str, p["shape"]))]

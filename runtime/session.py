@@ -144,6 +144,7 @@ class OpenVINOSession:
         self._dtypes = [array_dtype(p.get_element_type()) for _, p in self._inputs]
         self._bf16_outputs = [p.get_element_type() == ov.Type.bf16 for p in self.compiled.outputs]
         self._bound: set[int] = set()
+        self._skipped: set[int] = set()  # inputs never fed (export/branches.py: the other body's)
         self._parents: dict[int, tuple[np.ndarray, ov.Tensor]] = {}  # keeps shared buffers alive
 
     @property
@@ -173,6 +174,8 @@ class OpenVINOSession:
     def infer(self, inputs):
         feed = {}
         for i, (names, port) in enumerate(self._inputs):
+            if i in self._skipped:
+                continue
             if i not in self._bound or any(n in inputs for n in names):
                 value, want = bind_input(names, port, inputs), self._dtypes[i]
                 feed[i] = value if value.dtype == want else shared_tensor(np.ascontiguousarray(value, want))

@@ -1,0 +1,190 @@
+"""A first chunk and the prefill model of its rows are one CPU blob, an If whose branches pack
+their weights once (export/branches.py): each branch computes exactly what its model computes
+compiled alone, an open imports the blob once, and a manifest that misdescribes it is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from kvc import fixtures
+from kvc.export import load as load_module
+from kvc.export.branches import BranchSession, branch_inputs, branch_pairs
+from kvc.export.compile import CompileOptions, compile_to
+from kvc.export.load import open_compiled, pipeline_from
+from kvc.export.manifest import MANIFEST, dumps, read_manifest
+from kvc.ir.reader import load
+from kvc.plan import StaticOptions
+from kvc.runtime.session import OpenVINOSession
+from tests.cli.runner import kvc
+
+CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(32,))
+
+
+@pytest.fixture(scope="module")
+def paired(tmp_path_factory):
+    """The llama fixture compiled exact (f32) with chunks of 16, a bulk chunk of 32 and a first
+    chunk of 32 (P 64): first-32 and prefill-32 share one CPU blob."""
+    out = tmp_path_factory.mktemp("branches") / "out"
+    compile_to(fixtures.path("llama"), out, CompileOptions(CHUNKED, inference_precision="f32"))
+    return out
+
+
+def port(name, shape, element_type="i64"):
+    return {"name": name, "element_type": element_type, "shape": shape}
+
+
+def entry(rows, mask, past=None, present=None):
+    inputs = [port("input_ids", [1, rows]), port("attention_mask", [1, mask]), port("position_ids", [1, rows])]
+    if past:
+        inputs.append(port("past_key_values.0.key", [1, 2, past, 16], "f16"))
+    outputs = [port("logits", [1, 1, 50], "f32"), port("present.0.key", [1, 2, present or rows, 16], "f16")]
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def test_a_first_chunk_pairs_with_the_prefill_model_of_its_rows_on_the_cpu_only():
+    models = {"prefill": entry(16, 64, 48), "prefill-32": entry(32, 64, 32), "first-32": entry(32, 32),
+              "first-16": entry(16, 16), "generate-80": entry(1, 80, 79)}
+    assert branch_pairs(models, "CPU") == [("first-32", "prefill-32"), ("first-16", "prefill")]
+    assert branch_pairs(models, "NPU") == []
+    models["first-32"] = entry(32, 32, present=31)  # outputs differ: kept apart
+    assert branch_pairs(models, "CPU") == [("first-16", "prefill")]
+
+
+def test_inputs_both_models_have_alike_keep_their_names_and_the_rest_are_prefixed():
+    names = branch_inputs({"first-32": entry(32, 32)["inputs"], "prefill-32": entry(32, 64, 32)["inputs"]})
+    assert names == {
+        "first-32": {"input_ids": "input_ids", "attention_mask": "first-32.attention_mask",
+                     "position_ids": "position_ids"},
+        "prefill-32": {"input_ids": "input_ids", "attention_mask": "prefill-32.attention_mask",
+                       "position_ids": "position_ids", "past_key_values.0.key": "prefill-32.past_key_values.0.key"}}
+
+
+def test_the_pair_is_one_blob_named_in_both_entries(paired):
+    models = read_manifest(paired)["models"]
+    for name in ("first-32", "prefill-32"):
+        blob = models[name]["blobs"]["CPU"]
+        assert blob["file"] == "first-32+prefill-32.CPU.blob" and blob["branches"] == ["first-32", "prefill-32"]
+    assert "branches" not in models["prefill"]["blobs"]["CPU"]
+    assert not (paired / "first-32.CPU.blob").exists() and not (paired / "prefill-32.CPU.blob").exists()
+
+
+def feed(session, entry, rng, start):
+    """Random inputs for a model by its manifest entry: tokens, a full mask, positions from
+    `start`, a past of random values."""
+    out = {}
+    for p in entry["inputs"]:
+        dtype = session.input_dtype(p["name"])
+        if p["name"] == "input_ids":
+            out[p["name"]] = rng.integers(1, 100, p["shape"]).astype(dtype)
+        elif p["name"] == "position_ids":
+            out[p["name"]] = (start + np.arange(p["shape"][-1]))[None].astype(dtype)
+        elif p["name"] == "attention_mask":
+            out[p["name"]] = np.ones(p["shape"], dtype)
+        else:
+            out[p["name"]] = rng.standard_normal(p["shape"]).astype(dtype)
+    return out
+
+
+def test_each_branch_computes_exactly_what_its_model_computes_compiled_alone(paired):
+    manifest = read_manifest(paired)
+    pipe = open_compiled(paired, "openvino")
+    config = {k: v for k, v in manifest["models"]["prefill-32"]["blobs"]["CPU"]["import_config"].items()
+              if k != "WEIGHTS_PATH"}
+    rng = np.random.default_rng(0)
+    for name, session, start in (("first-32", pipe.first_sessions[32], 0), ("prefill-32", pipe.prefill_sessions[32], 32)):
+        assert isinstance(session, BranchSession)
+        alone = OpenVINOSession(load(paired / manifest["models"][name]["xml"], weights=paired / "weights.bin"),
+                                "CPU", config)
+        inputs = feed(session, manifest["models"][name], rng, start)
+        got, want = session.infer(inputs), alone.infer(inputs)
+        for out in manifest["models"][name]["outputs"]:
+            np.testing.assert_array_equal(got[out["name"]], want[out["name"]], err_msg=f"{name} {out['name']}")
+        assert np.isfinite(got["logits"]).all() and np.abs(got["logits"]).max() > 0
+
+
+@pytest.fixture
+def imports(monkeypatch):
+    """The blob files imported, in order."""
+    done = []
+    real = load_module._Imports._import
+
+    def counting(self, name, blob, sweep):
+        done.append(blob["file"])
+        return real(self, name, blob, sweep)
+
+    monkeypatch.setattr(load_module._Imports, "_import", counting)
+    return done
+
+
+def test_an_open_imports_the_if_blob_once_and_first(paired, imports):
+    open_compiled(paired, "openvino")
+    assert imports == ["first-32+prefill-32.CPU.blob", "generate-128.CPU.blob", "prefill.CPU.blob"]
+
+
+def test_a_lazy_if_blob_goes_with_its_last_session_and_comes_back_when_run(paired, imports):
+    manifest = read_manifest(paired)
+    pipe = pipeline_from(paired, manifest, "openvino", lazy=True)
+    first, bulk = pipe.first_sessions[32], pipe.prefill_sessions[32]
+    rng = np.random.default_rng(1)
+    first.infer(feed(first, manifest["models"]["first-32"], rng, 0))
+    bulk.infer(feed(bulk, manifest["models"]["prefill-32"], rng, 32))
+    assert imports == ["first-32+prefill-32.CPU.blob"]
+    first.release()
+    bulk.infer(feed(bulk, manifest["models"]["prefill-32"], rng, 32))
+    assert imports == ["first-32+prefill-32.CPU.blob"]  # still held by the bulk session
+    bulk.release()
+    first.infer(feed(first, manifest["models"]["first-32"], rng, 0))
+    assert imports == ["first-32+prefill-32.CPU.blob"] * 2
+
+
+def test_the_compiled_pipeline_runs_both_branches_as_the_ir_does(paired):
+    """A 50-token prompt runs the first chunk then chunks over its past; 64 the first chunk and
+    the bulk one: the blobs' tokens are the IR's."""
+    for prompt in ("1," * 49 + "7", "3," * 63 + "9"):
+        args = ("run", paired, "--prompt-ids", prompt, "--max-new-tokens", "4", "--json")
+        blobs = json.loads(kvc(*args, "--backend", "openvino").stdout)
+        ir = json.loads(kvc(*args, "--backend", "numpy").stdout)
+        assert blobs["tokens"] == ir["tokens"]
+
+
+def damaged(paired, tmp_path, damage):
+    out = tmp_path / "out"
+    shutil.copytree(paired, out)
+    m = json.loads((out / MANIFEST).read_text())
+    damage(m["models"])
+    (out / MANIFEST).write_text(dumps(m))
+    return out
+
+
+def swap(models):
+    for name in ("first-32", "prefill-32"):
+        models[name]["blobs"]["CPU"]["branches"].reverse()
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32"]),
+     "model 'first-32''s CPU blob has malformed branches"),
+    (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill-48"]),
+     "model 'first-32''s CPU blob has malformed branches"),
+    (lambda m: m["prefill-32"]["blobs"]["CPU"].pop("branches"),
+     "models 'first-32' and 'prefill-32' disagree on their shared CPU blob"),
+    (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill"]),
+     "models 'first-32' and 'prefill' disagree on their shared CPU blob"),
+])
+def test_a_manifest_misdescribing_the_pair_is_refused(paired, tmp_path, damage, message):
+    out = damaged(paired, tmp_path, damage)
+    result = kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "numpy", code=3)
+    assert message in result.output
+
+
+def test_a_manifest_that_swapped_the_branches_is_refused_at_import(paired, tmp_path):
+    """Swapped in both entries the manifest is consistent, but the blob's selector names the
+    model it selects: the import's port check refuses it (else the bulk model would run the
+    first chunk's body)."""
+    out = damaged(paired, tmp_path, swap)
+    result = kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "openvino", code=3)
+    assert "model 'prefill-32+first-32''s inputs differ from what the manifest lists" in result.output
+    assert "kvc.select.prefill-32" in result.output
