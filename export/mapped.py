@@ -21,7 +21,9 @@ more to open from a warm page cache (1.73-1.86 s against 1.27-1.32), and the fil
 page cache afterwards, so the next open reads it from disk (2.4-3.5 s in a row on the VM's
 600 MB/s disk; posix_fadvise WILLNEED does not refill it there); sweeping the first import too
 cost 0.7-0.9 s more. The trade is taken for the memory: a second copy of the weights file at
-every open is what runs a small machine out of memory.
+every open is what runs a small machine out of memory. Not for `kvc compile`'s blob check, which
+imports lazily (one prefill blob and the If blob at most together, then the generate blobs)
+and stays below NPUW_LLM's compile without it (export/load.py, `pipeline_from`).
 
 MADV_PAGEOUT never loses data, whatever the range holds by the time the call lands: clean file
 pages are dropped and read again from the file when touched, dirty or anonymous pages are written
