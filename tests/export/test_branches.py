@@ -4,6 +4,7 @@ compiled alone, an open imports the blob once, and a manifest that misdescribes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -19,6 +20,7 @@ from kvc.ir.reader import load
 from kvc.plan import StaticOptions
 from kvc.runtime.session import OpenVINOSession
 from tests.cli.runner import kvc
+from tests.conftest import fixture_names
 
 CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(32,))
 
@@ -188,3 +190,18 @@ def test_a_manifest_that_swapped_the_branches_is_refused_at_import(paired, tmp_p
     result = kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "openvino", code=3)
     assert "model 'prefill-32+first-32''s inputs differ from what the manifest lists" in result.output
     assert "kvc.select.prefill-32" in result.output
+
+
+@pytest.mark.parametrize("name", fixture_names(compressed=True))
+def test_every_fixture_runs_its_goldens_through_the_if_blob(name, tmp_path):
+    """Across the zoo and its compressed weights (int8, int4 with and without zero points), at
+    exact f32 the If blob's first and bulk branches reproduce the stateful model's goldens (the
+    54-token prompt starts with the first chunk)."""
+    out = tmp_path / "out"
+    manifest = compile_to(fixtures.path(name), out,
+                          CompileOptions(dataclasses.replace(CHUNKED, kv_precision="f32"), inference_precision="f32"))
+    assert manifest["models"]["first-32"]["blobs"]["CPU"]["branches"] == ["first-32", "prefill-32"]
+    assert all(r["ok"] for r in manifest["blob_check"])
+    pipe = open_compiled(out, "openvino")
+    for prompt in fixtures.goldens(name)["prompts"]:
+        assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], prompt["name"]
