@@ -9,12 +9,13 @@ weights again: the 250M Llama's four CPU models held 464 MB each.
 A first-chunk model `first-F` and the prefill model of F rows (the bulk chunk `prefill-F`, or
 the chunk `prefill` when C = F) give the same outputs and read the same weights; they differ
 in their inputs (the first reads no past; its mask has F columns). So kvc compiles them for
-the CPU as one model: an If whose then-body is the first model and else-body the other, both read over one mapping of weights.bin so that their
-constants have the same addresses. The If's input `kvc.select.<then model>` selects the
-then-body when true (`select_input`). The plugin's If runs one body per inference and copies
-only that body's inputs into it (nodes/if.cpp); a past of 896 rows costs a copy per 128-row
-call. On the 250M Llama (AVX512_BF16 host): compiled together 1541 MB against 1947 for the
-two apart, and the same time per call (first 140 ms, bulk 167).
+the CPU as one model: an If whose then-body is the first model and else-body the other, both
+read over one mapping of weights.bin so that their constants have the same addresses. The
+If's input `kvc.select.<then model>` selects the then-body when true (`select_input`). The
+plugin's If runs one body per inference and copies only that body's inputs into it
+(nodes/if.cpp); a past of 896 rows costs a copy per 128-row call. On the 250M Llama
+(AVX512_BF16 host): compiled together 1541 MB against 1947 for the two apart, and the same
+time per call (first 140 ms, bulk 167; docs/benchmarks.md).
 
 The If's inputs (`branch_inputs`): an input both models have with the same type and shape
 keeps its names; any other is named `<model>.<name>` (`first-128.attention_mask`). Its
@@ -32,7 +33,6 @@ import numpy as np
 import openvino as ov
 
 from kvc.runtime.session import OpenVINOSession
-
 
 
 def select_input(then: str) -> str:
