@@ -175,6 +175,8 @@ def swap(models):
      "models 'first-32' and 'prefill-32' disagree on their shared CPU blob"),
     (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill"]),
      "models 'first-32' and 'prefill' disagree on their shared CPU blob"),
+    (lambda m: next(p for p in m["first-32"]["outputs"] if p["name"] == "logits").update(element_type="f16"),
+     "models 'first-32' and 'prefill-32' share a CPU blob but not their outputs"),
 ])
 def test_a_manifest_misdescribing_the_pair_is_refused(paired, tmp_path, damage, message):
     out = damaged(paired, tmp_path, damage)
