@@ -40,11 +40,12 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     device = _DEVICE.get(backend)
     blob = entry["blobs"].get(device)
     if backend != "numpy" and blob is not None and not from_ir:
-        compiled = (imports or _Imports(directory, manifest, device)).acquire(name, sweep)
+        imports = imports or _Imports(directory, manifest, device)
+        compiled = imports.acquire(name, sweep)
         if "branches" in blob:
             names = branch_inputs({m: manifest["models"][m]["inputs"] for m in blob["branches"]})[name]
             then = blob["branches"][0]
-            return BranchSession(compiled, device, names, then, select=name == then)
+            return imports.keep(blob["file"], BranchSession(compiled, device, names, then, select=name == then))
         return OpenVINOSession(compiled, device)
     model = load(directory / entry["xml"], weights=weights, mapped=mapped)
     check_ports(directory, name, entry, model.inputs, model.outputs)
@@ -55,12 +56,12 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
 
 class _Imports:
     """The blobs of one open, each imported once for the sessions over it and checked against
-    the manifest's ports (an If blob's against `branch_ports`); `release` drops a blob when no
-    session holds it (`LazySession`)."""
+    the manifest's ports (an If blob's against `branch_ports`); `release` drops a blob, and the
+    sessions over it that it `keep`s, when no session holds it (`LazySession`)."""
 
     def __init__(self, directory: Path, manifest: dict, device: str):
         self.directory, self.manifest, self.device = directory, manifest, device
-        self._held: dict[str, list] = {}  # file -> [compiled model, sessions holding it]
+        self._held: dict[str, list] = {}  # file -> [compiled model, sessions holding it, kept sessions...]
 
     def acquire(self, name: str, sweep: bool) -> ov.CompiledModel:
         blob = self.manifest["models"][name]["blobs"][self.device]
@@ -69,6 +70,13 @@ class _Imports:
             held = self._held[blob["file"]] = [self._import(name, blob, sweep), 0]
         held[1] += 1
         return held[0]
+
+    def keep(self, file: str, session: Session) -> Session:
+        """Hold `session` (and its infer request) as long as the blob `file` is held: OpenVINO
+        2026.4.1's CPU plugin crashed running one request of an If model after another request
+        of it was released (a segfault, or "corrupted double-linked list")."""
+        self._held[file].append(session)
+        return session
 
     def release(self, name: str) -> None:
         file = self.manifest["models"][name]["blobs"][self.device]["file"]
