@@ -32,33 +32,35 @@ from typing import Mapping
 import numpy as np
 import openvino as ov
 
+from kvc.runtime.interpreter import TensorMap
 from kvc.runtime.session import OpenVINOSession
 
 
-def select_input(then: str) -> str:
-    """The If's boolean input, named for the model it selects when true (its then-body): a
-    manifest that swapped the pair's order would name another input, and be refused."""
-    return f"kvc.select.{then}"
+def select_input(order, model: str) -> str:
+    """The boolean input of the If whose then-body is `model`, named for its place in the If's
+    `order` and for the model: a manifest that reordered the branches would name other inputs,
+    and be refused."""
+    return f"kvc.select.{list(order).index(model)}.{model}"
 
 
-def branch_pairs(models: Mapping[str, dict], device: str) -> list[tuple[str, str]]:
-    """The (first-F, prefill model of F rows) pairs whose blob is one If on `device` (the CPU
-    only): `models` maps a name to its manifest entry (its `inputs` and `outputs` tables), and
-    a pair's outputs must be identical."""
-    from kvc.export.manifest import model_kind
+def branch_groups(models: Mapping[str, dict], device: str) -> list[tuple[str, ...]]:
+    """The models whose blob is one If chain on `device` (the CPU only), in its order: the
+    prefill model of the largest first chunk's rows when there is one (the only branch with a
+    past, so copied into one body, not several), then the first chunks from the largest.
+    `models` maps a name to its manifest entry; a group's outputs must pad to its first
+    model's (`outputs_fit`); a group of one is no group."""
+    from kvc.export.manifest import model_kind, outputs_fit
 
     if device != "CPU":
         return []
-    pairs = []
-    for name, entry in models.items():
-        kind, size = model_kind(name)
-        if kind != "first":
-            continue
-        other = next((n for n, e in models.items() if model_kind(n)[0] == "prefill"
-                      and _rows(e) == size and _ports(e["outputs"]) == _ports(entry["outputs"])), None)
-        if other is not None:
-            pairs.append((name, other))
-    return pairs
+    firsts = sorted((n for n in models if model_kind(n)[0] == "first"), key=lambda n: -model_kind(n)[1])
+    if not firsts:
+        return []
+    top = model_kind(firsts[0])[1]
+    prefill = [n for n, e in models.items() if model_kind(n)[0] == "prefill" and _rows(e) == top]
+    group = (*prefill, *firsts)
+    group = [n for n in group if outputs_fit(models[n]["outputs"], models[group[0]]["outputs"])]
+    return [tuple(group)] if len(group) > 1 else []
 
 
 def _rows(entry: dict) -> int | None:
@@ -79,11 +81,20 @@ def branch_inputs(tables: Mapping[str, list[dict]]) -> dict[str, dict[str, str]]
             for model, table in tables.items()}
 
 
+def branch_selects(order) -> dict[str, dict[str, bool]]:
+    """What each model of an If chain (in its order) feeds every selector: true for its own If,
+    false for the others (the last model has no If of its own: it is the innermost else-body).
+    Every selector is fed, so none is left to what a request happened to hold."""
+    order = list(order)
+    return {m: {select_input(order, o): o == m for o in order[:-1]} for m in order}
+
+
 def branch_ports(entries: Mapping[str, dict]) -> dict:
-    """The inputs and outputs tables of the If over the models' manifest `entries` (then,
-    else): the selector, then each model's inputs as `branch_inputs` names them, in order."""
+    """The inputs and outputs tables of the If chain over the models' manifest `entries` (in
+    its order): the selectors, then each model's inputs as `branch_inputs` names them; the
+    outputs are the first model's (the others' are padded to them)."""
     names = branch_inputs({m: e["inputs"] for m, e in entries.items()})
-    inputs = [{"name": select_input(next(iter(entries))), "element_type": "boolean", "shape": []}]
+    inputs = [{"name": select_input(entries, m), "element_type": "boolean", "shape": []} for m in list(entries)[:-1]]
     for model, entry in entries.items():
         for port in entry["inputs"]:
             if names[model][port["name"]] not in [p["name"] for p in inputs]:
@@ -92,44 +103,79 @@ def branch_ports(entries: Mapping[str, dict]) -> dict:
 
 
 def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
-    """The If over two static models (then, else) with identical outputs. Their constants must
-    share addresses (both read over one `map_weights` mapping) for the plugin to pack them once."""
+    """The If chain over static models (in order: each model the then-body of one If whose
+    else-body holds the rest; the last the innermost else-body). Each body's outputs are padded
+    with zeros to the first model's shapes, so that the If's outputs are static: OpenVINO
+    2026.4.1's CPU plugin crashed running an If whose outputs were dynamic (a segfault when a
+    body of fewer rows ran before one of more). The constants must share addresses (all read
+    over one `map_weights` mapping) for the plugin to pack them once."""
     from kvc.export.manifest import port_table
+
+    names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
+    order = list(models)
+    largest = [r.get_output_partial_shape(0).to_shape() for r in models[order[0]].get_results()]
+    for name, model in models.items():  # every body's parameters by their names in the If
+        for param in model.get_parameters():
+            param.output(0).set_names({names[name][param.output(0).get_any_name()]})
+        _pad_results(model, largest)
+    inner = models[order[-1]]
+    for name in reversed(order[:-1]):
+        inner = _if(select_input(order, name), models[name], inner)
+    return inner
+
+
+def _pad_results(model: ov.Model, shapes) -> None:
+    """Pad each result of `model` with zeros at the end of every axis up to `shapes`."""
     from openvino import opset8 as ops
 
-    (then_name, then_model), (else_name, else_model) = models.items()
-    names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
-    select = ops.parameter([], ov.Type.boolean, name=select_input(then_name))
-    select.output(0).set_names({select_input(then_name)})
+    for result, shape in zip(model.get_results(), shapes):
+        have = result.get_output_partial_shape(0).to_shape()
+        if list(have) == list(shape):
+            continue
+        value = result.input_value(0)
+        zero = ops.convert(ops.constant(np.zeros((), np.float32)), value.get_element_type())  # bf16 too
+        padded = ops.pad(value, [0] * len(shape), [int(b) - int(a) for a, b in zip(have, shape)], "constant", zero)
+        result.input(0).replace_source_output(padded.output(0))
+    model.validate_nodes_and_infer_types()
+
+
+def _if(selector: str, then_model: ov.Model, else_model: ov.Model) -> ov.Model:
+    """One If: the boolean input `selector` picks `then_model`, else `else_model`; each body's
+    parameters matched to the If's inputs by name."""
+    from openvino import opset8 as ops
+
+    select = ops.parameter([], ov.Type.boolean, name=selector)
+    select.output(0).set_names({selector})
     node = ops.if_op(select.output(0))
     node.set_then_body(then_model)
     node.set_else_body(else_model)
-    outer = {select_input(then_name): select}
-    for model_name, model in models.items():
-        for param in model.get_parameters():
-            name = names[model_name][param.output(0).get_any_name()]
-            if name not in outer:
-                outer[name] = ops.parameter(param.get_partial_shape(), param.get_element_type(), name=name)
-                outer[name].output(0).set_names({name})
-            bodies = (param if model is then_model else None, param if model is else_model else None)
-            node.set_input(outer[name].output(0), *bodies)
+    bodies = [{p.output(0).get_any_name(): p for p in body.get_parameters()} for body in (then_model, else_model)]
+    outer = {selector: select}
+    for name in dict.fromkeys([*bodies[0], *bodies[1]]):
+        param = bodies[0][name] if name in bodies[0] else bodies[1][name]
+        outer[name] = ops.parameter(param.get_partial_shape(), param.get_element_type(), name=name)
+        outer[name].output(0).set_names({name})
+        node.set_input(outer[name].output(0), bodies[0].get(name), bodies[1].get(name))
     results = []
     for then_result, else_result in zip(then_model.get_results(), else_model.get_results()):
         result = ops.result(node.set_output(then_result, else_result))
         result.output(0).set_names(set(then_result.output(0).get_names()))
         results.append(result)
-    return ov.Model(results, list(outer.values()), f"{then_name}+{else_name}")
+    return ov.Model(results, list(outer.values()), f"{then_model.get_friendly_name()}+{else_model.get_friendly_name()}")
 
 
 class BranchSession(OpenVINOSession):
-    """One model of an If blob whose then-body is `then`: its inputs by its own names (`names`:
-    its name -> the If's), the selector fed true for the then-body (`select`); the other body's
-    inputs are left as the request holds them (the If does not read them)."""
+    """One model of an If blob: its inputs by its own names (`names`: its name -> the If's),
+    the selectors fed as `selects` says (`branch_selects`), its outputs cut back to its own
+    `shapes` (by name; the If pads them); the other bodies' inputs are left as the request
+    holds them (the Ifs do not read them)."""
 
-    def __init__(self, compiled: ov.CompiledModel, device: str, names: Mapping[str, str], then: str, select: bool):
+    def __init__(self, compiled: ov.CompiledModel, device: str, names: Mapping[str, str],
+                 selects: Mapping[str, bool], shapes: Mapping[str, list[int]]):
         super().__init__(compiled, device)
         self._names = dict(names)
-        self._select = {select_input(then): np.array(select)}
+        self._select = {name: np.array(value) for name, value in selects.items()}
+        self._cut = {name: tuple(slice(0, d) for d in shape) for name, shape in shapes.items()}
         mine = set(self._names.values()) | set(self._select)
         self._skipped = {i for i, (names, _) in enumerate(self._inputs) if not mine & set(names)}
 
@@ -147,4 +193,6 @@ class BranchSession(OpenVINOSession):
         super().bind(self._names[name], buffer, rows, axis)
 
     def infer(self, inputs):
-        return super().infer({**{self._names.get(k, k): v for k, v in inputs.items()}, **self._select})
+        outputs = super().infer({**{self._names.get(k, k): v for k, v in inputs.items()}, **self._select})
+        cuts = [next(self._cut[n] for n in names if n in self._cut) for names in self._outputs]
+        return TensorMap((names, np.ascontiguousarray(outputs[names[0]][cut])) for names, cut in zip(self._outputs, cuts))

@@ -3,8 +3,9 @@
     OUT/prefill.xml, OUT/generate-<T>.xml   static IR, all reading OUT/weights.bin
     OUT/weights.bin                          every weight once
     OUT/<model>.<DEVICE>.blob                compiled blobs (CPU: weightless, reads weights.bin)
-    OUT/first-<F>+<model>.CPU.blob           a first chunk and the prefill model of its rows: one
-                                             CPU blob, their weights packed once (export/branches.py)
+    OUT/<model>+first-<F>+….CPU.blob         the first chunks and the prefill model of the largest
+                                             one's rows: one CPU blob, their weights packed once
+                                             (export/branches.py)
     OUT/dumps/                               pass-by-pass IR dumps, when asked for
     OUT/manifest.json                        written last (kvc.export.manifest)
 
@@ -96,8 +97,11 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # where the first-chunk model, reading the prompt alone, costs 138 (the stateful model 131).
 # The 512 bulk chunk it replaces saved nothing there (one 512-row call 650 ms, four 128-row
 # ones 640), and the first chunk shares one CPU blob, and one packing of the weights, with the
-# bulk chunk of its size (export/branches.py): four models, three packings (1543 MB held against
-# 1961 apart). Bulk and first chunks are dropped where P is not above them.
+# bulk chunk of its size (export/branches.py): four models, three packings (1543 MB held
+# against 1961 apart). First chunks of 32 and 64 too (24 / 40 / 64 tokens 1.96x / 1.90x /
+# 1.70x -> 1.24x / 1.50x / 1.01x, bench/ttft.py) cost the compile 6 s more (six probes where
+# three did) and the open 50 MB (1.52x the stateful model's peak): not the default yet. Bulk
+# and first chunks are dropped where P is not above them.
 CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
 CPU_FIRST = {"bf16": (128,), "f16": (128,)}
 
@@ -492,13 +496,13 @@ def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], de
                   progress, compiler, cache: BlobCache | None, keys: dict[str, str]) -> dict[str, dict]:
     """Compile each saved model for `device` (each in a fresh process, `DeviceCompiler`) and
     write its blob, or take it from `cache` when it holds the blob of the model's key in
-    `keys`; the manifest entry of each. The pairs `branch_pairs` finds in `models` (their
-    manifest entries) are compiled as one If, one blob for both (export/branches.py)."""
-    from kvc.export.branches import branch_pairs
+    `keys`; the manifest entry of each. The groups `branch_groups` finds in `models` (their
+    manifest entries) are each compiled as one If chain, one blob for all (export/branches.py)."""
+    from kvc.export.branches import branch_groups
 
     config = device_config(device, for_export=True, precision=precision)
-    paired = {name: pair for pair in branch_pairs({n: models[n] for n in xmls}, device) for name in pair}
-    units = list(dict.fromkeys(paired.get(name, (name,)) for name in xmls))
+    grouped = {name: group for group in branch_groups({n: models[n] for n in xmls}, device) for name in group}
+    units = list(dict.fromkeys(grouped.get(name, (name,)) for name in xmls))
     blobs = {}
     progress(f"compiling {', '.join('+'.join(unit) for unit in units)} for {device}")
     for i, unit in enumerate(units, 1):

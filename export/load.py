@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
-from kvc.export.branches import BranchSession, branch_inputs, branch_ports
+from kvc.export.branches import BranchSession, branch_inputs, branch_ports, branch_selects
 from kvc.export.compile import device_config
 from kvc.export.mapped import pages_released
 from kvc.export.manifest import check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest
@@ -44,8 +44,8 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         compiled = imports.acquire(name, sweep)
         if "branches" in blob:
             names = branch_inputs({m: manifest["models"][m]["inputs"] for m in blob["branches"]})[name]
-            then = blob["branches"][0]
-            return imports.keep(blob["file"], BranchSession(compiled, device, names, then, select=name == then))
+            return imports.keep(blob["file"], BranchSession(compiled, device, names, branch_selects(blob["branches"])[name],
+                                                            {p["name"]: p["shape"] for p in entry["outputs"]}))
         return OpenVINOSession(compiled, device)
     model = load(directory / entry["xml"], weights=weights, mapped=mapped)
     check_ports(directory, name, entry, model.inputs, model.outputs)

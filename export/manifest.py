@@ -215,36 +215,51 @@ def _check_structure(manifest: dict, path: Path) -> None:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "in files")
     _check_plan_against_ports(manifest, plan, bad)
-    for model_name, model in manifest["models"].items():
-        for device, blob in model["blobs"].items():
-            if "branches" in blob:
-                _check_branches(manifest["models"], model_name, device, blob, bad)
+    shared = [(name, device, blob) for name, model in manifest["models"].items()
+              for device, blob in model["blobs"].items() if "branches" in blob]
+    for name, device, blob in shared:  # each list well formed, then all of them in agreement
+        _check_branch_list(manifest["models"], name, device, blob["branches"], bad)
+    for name, device, blob in shared:
+        _check_branches(manifest["models"], name, device, blob, bad)
+
+
+def _check_branch_list(models: dict, name: str, device: str, branches, bad) -> None:
+    """An If blob's `branches` (export/branches.py): two models of the manifest or more, each
+    once, this one among them."""
+    if not (isinstance(branches, list) and len(branches) >= 2 and len(set(map(str, branches))) == len(branches)
+            and name in branches and all(isinstance(m, str) and m in models for m in branches)):
+        raise bad(f"model {name!r}'s {device} blob has malformed branches",
+                  expected="two models of the manifest or more, this one among them", found=repr(branches)[:80])
 
 
 def _check_branches(models: dict, name: str, device: str, blob: dict, bad) -> None:
-    """An If blob (export/branches.py) lists two models, this one among them, each listing the
-    same file and branches for the device, with identical outputs."""
+    """The models an If blob lists each list the same file and branches for the device, and
+    each one's outputs pad to the first model's (`outputs_fit`)."""
     branches = blob["branches"]
-    if not (isinstance(branches, list) and len(branches) == 2 and len(set(map(str, branches))) == 2
-            and name in branches and all(isinstance(m, str) and m in models for m in branches)):
-        raise bad(f"model {name!r}'s {device} blob has malformed branches",
-                  expected="[then, else]: two models of the manifest, this one among them", found=repr(branches)[:80])
-    for other in branches:
+    for other in (m for m in branches if m != name):
         theirs = models[other]["blobs"].get(device) or {}
         if theirs.get("file") != blob["file"] or theirs.get("branches") != branches:
             raise bad(f"models {name!r} and {other!r} disagree on their shared {device} blob",
                       expected=f"{blob['file']} with branches {branches}",
                       found=f"{theirs.get('file')} with branches {theirs.get('branches')}")
-        outputs = [(p["name"], p["element_type"], p["shape"]) for p in models[other]["outputs"]]
-        if outputs != [(p["name"], p["element_type"], p["shape"]) for p in models[name]["outputs"]]:
-            raise bad(f"models {name!r} and {other!r} share a {device} blob but not their outputs",
-                      expected="identical outputs", found=f"{other!r}'s differ")
+    if not outputs_fit(models[name]["outputs"], models[branches[0]]["outputs"]):
+        raise bad(f"model {name!r} shares a {device} blob with {branches[0]!r} but not its outputs",
+                  expected=f"{branches[0]!r}'s outputs' names, types and ranks, no dimension larger",
+                  found=f"{name!r}'s differ")
+
+
+def outputs_fit(table: list[dict], largest: list[dict]) -> bool:
+    """Whether outputs (a port table) pad to `largest`'s: the same names, types and ranks, no
+    dimension larger (export/branches.py)."""
+    return len(table) == len(largest) and all(
+        (p["name"], p["element_type"], len(p["shape"])) == (q["name"], q["element_type"], len(q["shape"]))
+        and all(a <= b for a, b in zip(p["shape"], q["shape"])) for p, q in zip(table, largest))
 
 
 def shared_with(name: str, blob: dict) -> str:
     """For a summary: " (one blob with <the other model>)" for an If blob, else ""."""
     others = [m for m in blob.get("branches", ()) if m != name]
-    return f" (one blob with {others[0]})" if others else ""
+    return f" (one blob with {', '.join(others)})" if others else ""
 
 
 def _is_port(p) -> bool:

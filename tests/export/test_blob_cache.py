@@ -64,7 +64,7 @@ def test_an_if_blob_is_cached_as_one_and_matches_a_fresh_compile(tmp_path, compi
     cache = tmp_path / "cache"
     chunked = dataclasses.replace(SMALL, prefill_chunk_size=(16, 32), prefill_first=(32,), variants=(80,))
     compile_(fixtures.path("llama"), tmp_path / "a", cache, chunked)
-    assert compiles == [("prefill", "CPU"), ("first-32+prefill-32", "CPU"), ("generate-80", "CPU"),
+    assert compiles == [("prefill", "CPU"), ("prefill-32+first-32", "CPU"), ("generate-80", "CPU"),
                         ("generate-128", "CPU")]
     compiles.clear()
     compile_(fixtures.path("llama"), tmp_path / "b", cache, dataclasses.replace(chunked, variants=(80, 96)))

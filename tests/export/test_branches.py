@@ -1,6 +1,7 @@
-"""A first chunk and the prefill model of its rows are one CPU blob, an If whose branches pack
-their weights once (export/branches.py): each branch computes exactly what its model computes
-compiled alone, an open imports the blob once, and a manifest that misdescribes it is refused."""
+"""The first chunks and the prefill model of the largest one's rows are one CPU blob, an If
+chain whose branches pack their weights once (export/branches.py): each branch computes exactly
+what its model computes compiled alone, an open imports the blob once, and a manifest that
+misdescribes it is refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from kvc import fixtures
 from kvc.export import load as load_module
-from kvc.export.branches import BranchSession, branch_inputs, branch_pairs
+from kvc.export.branches import BranchSession, branch_groups, branch_inputs, branch_selects
 from kvc.export.compile import CompileOptions, compile_to
 from kvc.export.load import open_compiled, pipeline_from
 from kvc.export.manifest import MANIFEST, dumps, read_manifest
@@ -22,13 +23,15 @@ from kvc.runtime.session import OpenVINOSession
 from tests.cli.runner import kvc
 from tests.conftest import fixture_names
 
-CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(32,))
+CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(16, 32))
+GROUP = ["prefill-32", "first-32", "first-16"]
+BLOB = "prefill-32+first-32+first-16.CPU.blob"
 
 
 @pytest.fixture(scope="module")
 def paired(tmp_path_factory):
-    """The llama fixture compiled exact (f32) with chunks of 16, a bulk chunk of 32 and a first
-    chunk of 32 (P 64): first-32 and prefill-32 share one CPU blob."""
+    """The llama fixture compiled exact (f32) with chunks of 16, a bulk chunk of 32 and first
+    chunks of 16 and 32 (P 64): prefill-32, first-32 and first-16 share one CPU blob."""
     out = tmp_path_factory.mktemp("branches") / "out"
     compile_to(fixtures.path("llama"), out, CompileOptions(CHUNKED, inference_precision="f32"))
     return out
@@ -46,13 +49,25 @@ def entry(rows, mask, past=None, present=None):
     return {"inputs": inputs, "outputs": outputs}
 
 
-def test_a_first_chunk_pairs_with_the_prefill_model_of_its_rows_on_the_cpu_only():
+def test_the_first_chunks_group_with_the_prefill_model_of_the_largest_ones_rows_on_the_cpu_only():
     models = {"prefill": entry(16, 64, 48), "prefill-32": entry(32, 64, 32), "first-32": entry(32, 32),
               "first-16": entry(16, 16), "generate-80": entry(1, 80, 79)}
-    assert branch_pairs(models, "CPU") == [("first-32", "prefill-32"), ("first-16", "prefill")]
-    assert branch_pairs(models, "NPU") == []
-    models["first-32"] = entry(32, 32, present=31)  # outputs differ: kept apart
-    assert branch_pairs(models, "CPU") == [("first-16", "prefill")]
+    assert branch_groups(models, "CPU") == [("prefill-32", "first-32", "first-16")]
+    assert branch_groups(models, "NPU") == []
+    del models["prefill-32"]  # the first chunks alone still share a packing
+    assert branch_groups(models, "CPU") == [("first-32", "first-16")]
+    del models["first-16"]  # one model is no group
+    assert branch_groups(models, "CPU") == []
+    models["first-16"] = entry(16, 16)
+    models["first-16"]["outputs"][1]["element_type"] = "f32"  # outputs of another type: kept apart
+    assert branch_groups(models, "CPU") == []
+
+
+def test_each_model_selects_its_own_if_and_no_other():
+    assert branch_selects(GROUP) == {
+        "prefill-32": {"kvc.select.0.prefill-32": True, "kvc.select.1.first-32": False},
+        "first-32": {"kvc.select.0.prefill-32": False, "kvc.select.1.first-32": True},
+        "first-16": {"kvc.select.0.prefill-32": False, "kvc.select.1.first-32": False}}
 
 
 def test_inputs_both_models_have_alike_keep_their_names_and_the_rest_are_prefixed():
@@ -64,13 +79,13 @@ def test_inputs_both_models_have_alike_keep_their_names_and_the_rest_are_prefixe
                        "position_ids": "position_ids", "past_key_values.0.key": "prefill-32.past_key_values.0.key"}}
 
 
-def test_the_pair_is_one_blob_named_in_both_entries(paired):
+def test_the_group_is_one_blob_named_in_every_entry(paired):
     models = read_manifest(paired)["models"]
-    for name in ("first-32", "prefill-32"):
+    for name in GROUP:
         blob = models[name]["blobs"]["CPU"]
-        assert blob["file"] == "first-32+prefill-32.CPU.blob" and blob["branches"] == ["first-32", "prefill-32"]
+        assert blob["file"] == BLOB and blob["branches"] == GROUP
     assert "branches" not in models["prefill"]["blobs"]["CPU"]
-    assert not (paired / "first-32.CPU.blob").exists() and not (paired / "prefill-32.CPU.blob").exists()
+    assert not any((paired / f"{name}.CPU.blob").exists() for name in GROUP)
 
 
 def feed(session, entry, rng, start):
@@ -96,7 +111,8 @@ def test_each_branch_computes_exactly_what_its_model_computes_compiled_alone(pai
     config = {k: v for k, v in manifest["models"]["prefill-32"]["blobs"]["CPU"]["import_config"].items()
               if k != "WEIGHTS_PATH"}
     rng = np.random.default_rng(0)
-    for name, session, start in (("first-32", pipe.first_sessions[32], 0), ("prefill-32", pipe.prefill_sessions[32], 32)):
+    for name, session, start in (("first-16", pipe.first_sessions[16], 0), ("first-32", pipe.first_sessions[32], 0),
+                                 ("prefill-32", pipe.prefill_sessions[32], 32)):
         assert isinstance(session, BranchSession)
         alone = OpenVINOSession(load(paired / manifest["models"][name]["xml"], weights=paired / "weights.bin"),
                                 "CPU", config)
@@ -123,7 +139,7 @@ def imports(monkeypatch):
 
 def test_an_open_imports_the_if_blob_once_and_first(paired, imports):
     open_compiled(paired, "openvino")
-    assert imports == ["first-32+prefill-32.CPU.blob", "generate-128.CPU.blob", "prefill.CPU.blob"]
+    assert imports == [BLOB, "generate-128.CPU.blob", "prefill.CPU.blob"]
 
 
 def test_a_lazy_if_blob_goes_with_its_last_session_and_comes_back_when_run(paired, imports):
@@ -133,16 +149,16 @@ def test_a_lazy_if_blob_goes_with_its_last_session_and_comes_back_when_run(paire
     rng = np.random.default_rng(1)
     first.infer(feed(first, manifest["models"]["first-32"], rng, 0))
     bulk.infer(feed(bulk, manifest["models"]["prefill-32"], rng, 32))
-    assert imports == ["first-32+prefill-32.CPU.blob"]
+    assert imports == [BLOB]
     first.release()
     # The first model's request lives on while the blob does: the plugin crashed running one
     # request of an If model after another was released.
     for _ in range(3):
         bulk.infer(feed(bulk, manifest["models"]["prefill-32"], rng, 32))
-    assert imports == ["first-32+prefill-32.CPU.blob"]  # still held by the bulk session
+    assert imports == [BLOB]  # still held by the bulk session
     bulk.release()
     first.infer(feed(first, manifest["models"]["first-32"], rng, 0))
-    assert imports == ["first-32+prefill-32.CPU.blob"] * 2
+    assert imports == [BLOB] * 2
 
 
 def test_the_compiled_pipeline_runs_both_branches_as_the_ir_does(paired):
@@ -165,8 +181,9 @@ def damaged(paired, tmp_path, damage):
 
 
 def swap(models):
-    for name in ("first-32", "prefill-32"):
-        models[name]["blobs"]["CPU"]["branches"].reverse()
+    for name in GROUP:
+        branches = models[name]["blobs"]["CPU"]["branches"]
+        branches[0], branches[1] = branches[1], branches[0]
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -174,12 +191,16 @@ def swap(models):
      "model 'first-32''s CPU blob has malformed branches"),
     (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill-48"]),
      "model 'first-32''s CPU blob has malformed branches"),
+    (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "first-32"]),
+     "model 'first-32''s CPU blob has malformed branches"),
     (lambda m: m["prefill-32"]["blobs"]["CPU"].pop("branches"),
-     "models 'first-32' and 'prefill-32' disagree on their shared CPU blob"),
+     "disagree on their shared CPU blob"),
     (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill"]),
-     "models 'first-32' and 'prefill' disagree on their shared CPU blob"),
+     "disagree on their shared CPU blob"),
     (lambda m: next(p for p in m["first-32"]["outputs"] if p["name"] == "logits").update(element_type="f16"),
-     "models 'first-32' and 'prefill-32' share a CPU blob but not their outputs"),
+     "model 'first-32' shares a CPU blob with 'prefill-32' but not its outputs"),
+    (lambda m: next(p for p in m["first-16"]["outputs"] if p["name"] == "present.0.key").update(shape=[1, 2, 48, 16]),
+     "model 'first-16' shares a CPU blob with 'prefill-32' but not its outputs"),
 ])
 def test_a_manifest_misdescribing_the_pair_is_refused(paired, tmp_path, damage, message):
     out = damaged(paired, tmp_path, damage)
@@ -187,25 +208,26 @@ def test_a_manifest_misdescribing_the_pair_is_refused(paired, tmp_path, damage, 
     assert message in result.output
 
 
-def test_a_manifest_that_swapped_the_branches_is_refused_at_import(paired, tmp_path):
-    """Swapped in both entries the manifest is consistent, but the blob's selector names the
-    model it selects: the import's port check refuses it (else the bulk model would run the
-    first chunk's body)."""
+def test_a_manifest_that_reordered_the_branches_is_refused_at_import(paired, tmp_path):
+    """Reordered in every entry the manifest is consistent, but each If's selector names the
+    model it selects and its place: the import's port check refuses it (else the bulk model
+    would run a first chunk's body)."""
     out = damaged(paired, tmp_path, swap)
     result = kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "openvino", code=3)
-    assert "model 'prefill-32+first-32''s inputs differ from what the manifest lists" in result.output
-    assert "kvc.select.prefill-32" in result.output
+    assert "model 'first-32+prefill-32+first-16''s inputs differ from what the manifest lists" in result.output
+    assert "kvc.select.0.first-32" in result.output
 
 
 @pytest.mark.parametrize("name", fixture_names(compressed=True))
 def test_every_fixture_runs_its_goldens_through_the_if_blob(name, tmp_path):
     """Across the zoo and its compressed weights (int8, int4 with and without zero points), at
-    exact f32 the If blob's first and bulk branches reproduce the stateful model's goldens (the
-    54-token prompt starts with the first chunk)."""
+    exact f32 the If blob's branches reproduce the stateful model's goldens (the 6-token prompt
+    is one first-16 call, the 17-token one a first-32 call, the 54-token one first-32 then the
+    bulk chunk)."""
     out = tmp_path / "out"
     manifest = compile_to(fixtures.path(name), out,
                           CompileOptions(dataclasses.replace(CHUNKED, kv_precision="f32"), inference_precision="f32"))
-    assert manifest["models"]["first-32"]["blobs"]["CPU"]["branches"] == ["first-32", "prefill-32"]
+    assert manifest["models"]["first-32"]["blobs"]["CPU"]["branches"] == GROUP
     assert all(r["ok"] for r in manifest["blob_check"])
     pipe = open_compiled(out, "openvino")
     for prompt in fixtures.goldens(name)["prompts"]:
