@@ -71,7 +71,7 @@ def blob_key(text: str, digests: dict[tuple[int, int], str], device: str, config
 
 
 def group_key(names: tuple[str, ...], keys: dict[str, str]) -> str | None:
-    """The key of the blob of `names` (one model, or the If over a pair: export/branches.py)
+    """The key of the blob of `names` (one model, or the If chain over several: export/branches.py)
     from each model's key in `keys`; None when one is not keyed."""
     if not all(name in keys for name in names):
         return None

@@ -1,4 +1,4 @@
-"""One CPU blob for two static models: the branches of an If, their weights packed once.
+"""One CPU blob for several static models: the branches of a chain of Ifs, their weights packed once.
 
 The CPU plugin packs a compiled model's weights into memory of its own (bf16 blocks where it
 computes at bf16), and shares a packing only inside one compiled model: its weights cache
@@ -6,21 +6,25 @@ is per compiled model, keyed by the constant's address (intel_cpu weights_cache.
 DnnlExtensionUtils::computeWeightsStringHash). Every static model compiled alone holds all the
 weights again: the 250M Llama's four CPU models held 464 MB each.
 
-A first-chunk model `first-F` and the prefill model of F rows (the bulk chunk `prefill-F`, or
-the chunk `prefill` when C = F) give the same outputs and read the same weights; they differ
-in their inputs (the first reads no past; its mask has F columns). So kvc compiles them for
-the CPU as one model: an If whose then-body is the first model and else-body the other, both
-read over one mapping of weights.bin so that their constants have the same addresses. The
-If's input `kvc.select.<then model>` selects the then-body when true (`select_input`). The
-plugin's If runs one body per inference and copies only that body's inputs into it
-(nodes/if.cpp); a past of 896 rows costs a copy per 128-row call. On the 250M Llama
-(AVX512_BF16 host): compiled together 1541 MB against 1947 for the two apart, and the same
-time per call (first 140 ms, bulk 167; docs/benchmarks.md).
+The first-chunk models `first-F` and the prefill model of the largest F's rows (the bulk chunk
+`prefill-F`, or the chunk `prefill` when C = F) read the same weights and give outputs of the
+same names and types (their rows may differ); their inputs differ (a first chunk reads no past;
+its mask has F columns). So kvc compiles them for the CPU as one model (`branch_groups` picks
+them): a chain of Ifs, each on a boolean input `kvc.select.<place>.<model>` (`select_input`)
+whose then-body is that model and else-body the next If, the last model the innermost
+else-body, every body read over one mapping of weights.bin so that their constants have the
+same addresses. The plugin's If runs one body per inference and copies only that body's inputs
+into it (nodes/if.cpp): the prefill model, the only one with a past, is the outermost
+then-body, so its past (896 rows for a 128-row call) is copied once. The smaller bodies'
+outputs are padded with zeros to the first model's, so that the Ifs' outputs are static, and
+each `BranchSession` cuts its own back. On the 250M Llama (AVX512_BF16 host), a first chunk and
+the bulk chunk compiled together held 1541 MB against 1947 for the two apart, at the same time
+per call (first 140 ms, bulk 167; docs/benchmarks.md).
 
-The If's inputs (`branch_inputs`): an input both models have with the same type and shape
-keeps its names; any other is named `<model>.<name>` (`first-128.attention_mask`). Its
-outputs are the models' outputs, which must be identical. A manifest records the pair as
-`"branches": [then, else]` in both models' blob entries, which name the same file.
+The If's inputs (`branch_inputs`): an input every model has with the same type and shape keeps
+its names; any other is named `<model>.<name>` (`first-128.attention_mask`). A manifest records
+the group as `"branches"` (the chain's order) in each model's blob entry, which all name the
+same file; `branch_selects` says what each model feeds the selectors.
 
 The generate model stays apart: it runs once a token and would copy its whole past per step.
 """

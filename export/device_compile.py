@@ -85,7 +85,8 @@ class DeviceCompiler:
                 branches: dict[str, Path] | None = None) -> dict:
         """Compile `xml` (over `weights`) for `device` with `config` in a fresh fork; write the
         blob to `blob` (atomically) and return {"bytes", "import_config"}. With `branches`
-        (CPU: then and else model by name, their xml), the If over them (export/branches.py)."""
+        (CPU: the models by name, their xml, in the chain's order), the If chain over them
+        (export/branches.py)."""
         request = {"name": name, "xml": str(xml), "weights": str(weights), "device": device, "config": config,
                    "blob": str(blob)}
         if branches:

@@ -8,6 +8,7 @@ version that exported them, which is checked first with an actionable message.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 from pathlib import Path
@@ -39,7 +40,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     weights = directory / manifest["weights"]
     device = _DEVICE.get(backend)
     blob = entry["blobs"].get(device)
-    if backend != "numpy" and blob is not None and not from_ir:
+    if _from_blob(entry, backend, from_ir):
         imports = imports or _Imports(directory, manifest, device)
         compiled = imports.acquire(name, sweep)
         if "branches" in blob:
@@ -54,6 +55,21 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     return session
 
 
+def _from_blob(entry: dict, backend: str, from_ir: bool) -> bool:
+    """Whether a model's session on `backend` imports its blob (else it reads its IR)."""
+    return backend != "numpy" and not from_ir and _DEVICE[backend] in entry["blobs"]
+
+
+@dataclasses.dataclass
+class _Held:
+    """An imported blob: the compiled model, how many sessions hold it, and the sessions it
+    keeps alive (`_Imports.keep`)."""
+
+    compiled: ov.CompiledModel
+    holders: int = 0
+    kept: list = dataclasses.field(default_factory=list)
+
+
 class _Imports:
     """The blobs of one open, each imported once for the sessions over it and checked against
     the manifest's ports (an If blob's against `branch_ports`); `release` drops a blob, and the
@@ -61,28 +77,28 @@ class _Imports:
 
     def __init__(self, directory: Path, manifest: dict, device: str):
         self.directory, self.manifest, self.device = directory, manifest, device
-        self._held: dict[str, list] = {}  # file -> [compiled model, sessions holding it, kept sessions...]
+        self._held: dict[str, _Held] = {}  # by file
 
     def acquire(self, name: str, sweep: bool) -> ov.CompiledModel:
         blob = self.manifest["models"][name]["blobs"][self.device]
         held = self._held.get(blob["file"])
         if held is None:
-            held = self._held[blob["file"]] = [self._import(name, blob, sweep), 0]
-        held[1] += 1
-        return held[0]
+            held = self._held[blob["file"]] = _Held(self._import(name, blob, sweep))
+        held.holders += 1
+        return held.compiled
 
     def keep(self, file: str, session: Session) -> Session:
         """Hold `session` (and its infer request) as long as the blob `file` is held: OpenVINO
         2026.4.1's CPU plugin crashed running one request of an If model after another request
         of it was released (a segfault, or "corrupted double-linked list")."""
-        self._held[file].append(session)
+        self._held[file].kept.append(session)
         return session
 
     def release(self, name: str) -> None:
         file = self.manifest["models"][name]["blobs"][self.device]["file"]
         held = self._held[file]
-        held[1] -= 1
-        if held[1] == 0:
+        held.holders -= 1
+        if held.holders == 0:
             del self._held[file]
 
     def _import(self, name: str, blob: dict, sweep: bool) -> ov.CompiledModel:
@@ -184,7 +200,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     made = []
     # models read from their IR share one mapping of weights.bin (`map_weights`)
     device = _DEVICE.get(backend)
-    reads_ir = device is None or from_ir or any(device not in m["blobs"] for m in manifest["models"].values())
+    reads_ir = not all(_from_blob(m, backend, from_ir) for m in manifest["models"].values())
     mapped = map_weights(directory / manifest["weights"]) if reads_ir else None
     imports = _Imports(directory, manifest, device)
 
@@ -199,7 +215,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
-            imported = backend != "numpy" and not from_ir and device in manifest["models"][name]["blobs"]
+            imported = _from_blob(manifest["models"][name], backend, from_ir)
             return LazySession(make, dtypes, backend, functools.partial(imports.release, name) if imported else None)
         return make()
 

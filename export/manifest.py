@@ -257,7 +257,7 @@ def outputs_fit(table: list[dict], largest: list[dict]) -> bool:
 
 
 def shared_with(name: str, blob: dict) -> str:
-    """For a summary: " (one blob with <the other model>)" for an If blob, else ""."""
+    """For a summary: " (one blob with <the other models>)" for an If blob, else ""."""
     others = [m for m in blob.get("branches", ()) if m != name]
     return f" (one blob with {', '.join(others)})" if others else ""
 
