@@ -21,25 +21,23 @@ BULK_TOKENS = 2
 
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]:
-    """Compile's probes: deterministic prompts of 7 tokens and of C + 9 with a chunked prefill,
-    one of 33 tokens without (at most P); the short prompt generates `tokens` new tokens (at
-    most what fits), the generate models' probe. The second prompt runs a full chunk and then
-    a partial one over a real past, so the prefill's reading of its past is checked, not only
-    its first chunk (with 7 and 33 tokens at the default chunk of 64, a prefill that ignored its
-    past passed); like a bulk probe it generates BULK_TOKENS, the chunk's token and one step
-    that reads every row it wrote (with 8, six more steps on each engine: 0.9 s of a 19 s
-    compile of the 250M model, proving what the short probe proves). An unchunked prefill has one
-    path, a padded prompt over no past, which 7 tokens would run again: on kvc's numpy runtime
-    each run is a full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU
-    compile's numpy check).
-
-    With bulk or first chunks, prompts until every chunk model has run over a real past and
-    every first-chunk model has run (`_model_probes`): for a bulk chunk B one of B + 9 tokens,
-    which `prefill_calls` splits into a chunk C and a call of B over its rows (the split costs
-    the same either way round; a tie puts the small chunk first), or with a first chunk F one
-    of F + B + 9 (F + 9, or F alone, is the first chunk's); each with BULK_TOKENS new tokens:
-    the last call's own and one step that reads every row it wrote (the generate models are
-    the other probes' to check).
+    """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
+    at most P) that generates `tokens` new tokens (at most what fits), the generate models'
+    probe; then prompts until every chunk model has run over a real past and every first-chunk
+    model has run (`_model_probes`), each generating BULK_TOKENS: the last call's own token and
+    one step that reads every row it wrote (with 8, six more steps on each engine: 0.9 s of a
+    19 s compile of the 250M model, proving what the short probe proves). With a chunk C alone
+    that is C + 9 tokens, a full chunk and then a partial one over its rows (with 7 and 33
+    tokens at a chunk of 64, a prefill that ignored its past passed); with a bulk chunk B,
+    B + 9, which `prefill_calls` splits into C and a call of B over its rows (the split costs
+    the same either way round; a tie puts the small chunk first); with a first chunk F too,
+    F + B + 9, which also runs C over the rows of both (the CPU's default, 16 / 128 / first 128:
+    7 and 265 tokens; a separate C + 9 probe ran on all three engines proving nothing the 265
+    did not: `kvc compile` of the 250M model 15.6 -> 15.2 s, medians of three alternating runs
+    on a noisy machine). An unchunked prefill has one path, a padded
+    prompt over no past, which 7 tokens would run again: on kvc's numpy runtime each run is a
+    full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU compile's numpy
+    check).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
@@ -57,11 +55,8 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     rng = np.random.default_rng(seed)
     cases = []
     short = min(plan.prompt, 7) if plan.chunk else min(plan.prompt, 33)
-    lengths = {short, min(plan.prompt, plan.chunk + 9)} if plan.chunk else {short}
-    for length in sorted(lengths):
-        n = tokens if length == short else min(tokens, BULK_TOKENS)  # the chunk over a past: as a bulk call
-        cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length))))
-    for length in _model_probes(plan, sorted(lengths)):
+    cases.append(Probe(rng.integers(1, vocab, short).tolist(), min(tokens, max_new_tokens(plan, short))))
+    for length in _model_probes(plan, [short]):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
     first = next((s for s in plan.sizes[:-1] if s - plan.tokens >= 2), None)
@@ -80,8 +75,9 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
 def _model_probes(plan, lengths: list[int]) -> list[int]:
     """The prompt lengths to add to `lengths` so that every chunk and bulk model runs over a
     real past (a call from a position > 0) and every first-chunk model runs, by the calls
-    `prefill_calls` makes: for each model not yet run so, the shortest candidate that runs it
-    (a size plus 9, two sizes plus 9, a first chunk alone; see `probe_cases`). A first chunk F
+    `prefill_calls` makes: for each model not yet run so, largest first (a bulk call's probe
+    runs the smaller chunks too), the shortest candidate that runs it (a size plus 9, two sizes
+    plus 9, a first chunk alone; see `probe_cases`). A first chunk F
     always runs on F tokens; a chunk that no prompt from position 0 runs over a past (C with
     a bulk chunk of 2C: a tie puts C first) runs from 0 in the short probe, and over a past
     only when a session continues (`reuse`)."""
@@ -99,7 +95,8 @@ def _model_probes(plan, lengths: list[int]) -> list[int]:
     candidates = sorted({min(plan.prompt, n) for n in (*(x + 9 for x in every), *plan.first,
                                                         *(x + y + 9 for x in every for y in every))})
     done, added = set().union(*(runs(n) for n in lengths)), []
-    for want in [(c, False) for c in sizes] + [(f, True) for f in plan.first]:
+    wants = sorted([(c, False) for c in sizes] + [(f, True) for f in plan.first], key=lambda w: (-w[0], w[1]))
+    for want in wants:
         if want in done:
             continue
         n = next((m for m in candidates if want in runs(m)), None)

@@ -252,6 +252,20 @@ def test_compile_verification_reads_the_bulk_prefill_past(tmp_path, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
+def test_the_first_chunks_probe_checks_the_chunk_over_a_past(tmp_path, monkeypatch):
+    """With a first chunk F and a bulk chunk B (the CPU's default form) the probes are 7 and
+    F + B + 9 tokens, no separate C + 9: the long one runs the chunk C over the first chunk's
+    rows, so a chunk model that misreads its past is still caught there."""
+    from kvc.verify.compiled import probe_cases
+
+    options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64), prefill_first=(64,))
+    assert [len(p.prompt) for p in probe_cases(options.lengths(), 1000)] == [7, 137]
+    _fault_in(monkeypatch, "prefill", HalvePastValues())
+    with pytest.raises(VerificationError, match="prompt of 137 tokens"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
+    assert not (tmp_path / "out").exists()
+
+
 def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
     """The switch probe starts a prompt of T1 - 2 tokens on the smallest variant T1 (80) and
     runs into the next: a fault in how that variant reads its last rows is caught, which the
