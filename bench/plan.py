@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvc.export.load import open_compiled
-    from kvc.plan import DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN, plan_lengths
+    from kvc.export.compile import compile_static
+    from kvc.plan import DEFAULT_MAX_PROMPT_LEN, DEFAULT_MIN_RESPONSE_LEN, chunk_label
+    from kvc.planner import blobs
 
     tmp = Path(tempfile.mkdtemp(prefix="kvc-plan-"))
     costs = tmp / "costs.json"
@@ -71,8 +73,9 @@ def main(argv=None) -> int:
         serves = max(prompts) <= DEFAULT_MAX_PROMPT_LEN and need <= DEFAULT_MAX_PROMPT_LEN + DEFAULT_MIN_RESPONSE_LEN
         lengths = [] if serves else ["--max-prompt-len", str(max(prompts)),
                                      "--min-response-len", str(max(64, need - max(prompts)))]
-        pyramid_plan = plan_lengths(*(map(int, lengths[1::2]) if lengths else (None, None)))
-        budget = 1 + len(pyramid_plan.sizes)
+        asked = dict(zip(("max_prompt_len", "min_response_len"), map(int, lengths[1::2])))
+        L = compile_static(("CPU",), "auto", **asked).lengths()  # what kvc compile builds with them
+        budget = blobs(L.chunk, L.bulk, L.first, L.sizes, "CPU")[1]  # the pyramid's blobs
         _, plan_s = kvc("plan", args.model, "--workload", w, "--costs", costs, "--max-models", budget,
                         "-o", tmp / f"plan{i}.json")
         plan = json.loads((tmp / f"plan{i}.json").read_text())
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
         for k in ("plan", "pyramid"):
             L = r[k]
             print(f"| {r['workload']} | {k} | {L['max_prompt_len']}, {L['min_response_len']}, "
-                  f"{L['prefill_chunk_size'] or 'none'}, {','.join(map(str, L['variants']))} | {r['models'][k]} | "
+                  f"{chunk_label(L['prefill_chunk_size'], first=L.get('prefill_first', ()))}, "
+                  f"{','.join(map(str, L['variants']))} | {r['models'][k]} | "
                   f"{r['compile_s'][k]:.1f} | {r['predicted_ms'][k]:.0f} | {r['measured_ms'][k]:.0f} | "
                   f"{r['measured_ms'][k] / r['measured_ms']['pyramid']:.2f}x |")
     print(json.dumps(rows))

@@ -86,7 +86,7 @@ def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force
     render_summary(out, manifest, name)
 
 
-PLANNED = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "variants")
+PLANNED = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "prefill_first", "variants")
 
 
 def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
@@ -99,12 +99,11 @@ def apply_plan(ctx: click.Context, kwargs: dict, path: Path) -> None:
         raise click.UsageError(f"--plan sets {', '.join('--' + k.replace('_', '-') for k in given)}: give one or the "
                                f"other")
     lengths = read_plan(path)
-    kwargs.update({k: lengths[k] for k in PLANNED[:3]})
-    if ctx.get_parameter_source("prefill_first") != click.core.ParameterSource.COMMANDLINE:
-        kwargs["prefill_first"] = ()  # the plan counted its models without a first chunk
+    kwargs.update({k: lengths[k] for k in PLANNED[:4]})
     kwargs["variants"] = ",".join(map(str, lengths["variants"]))
     progress(f"plan {path}: P {lengths['max_prompt_len']}, R {lengths['min_response_len']}, chunk "
-             f"{chunk_label(lengths['prefill_chunk_size'])}, variants {kwargs['variants']}")
+             f"{chunk_label(lengths['prefill_chunk_size'], first=lengths['prefill_first'])}, "
+             f"variants {kwargs['variants']}")
 
 
 def source_name(path: Path, bundled: bool) -> str:

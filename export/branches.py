@@ -48,23 +48,31 @@ def select_input(order, model: str) -> str:
 
 
 def branch_groups(models: Mapping[str, dict], device: str) -> list[tuple[str, ...]]:
-    """The models whose blob is one If chain on `device` (the CPU only), in its order: the
-    prefill model of the largest first chunk's rows when there is one (the only branch with a
-    past, so copied into one body, not several), then the first chunks from the largest.
-    `models` maps a name to its manifest entry; a group's outputs must pad to its first
-    model's (`outputs_fit`); a group of one is no group."""
-    from kvc.export.manifest import model_kind, outputs_fit
+    """The models whose blob is one If chain on `device`, in its order (`branch_chain` over
+    each model's rows). `models` maps a name to its manifest entry; a group's outputs must pad
+    to its first model's (`outputs_fit`); a group of one is no group."""
+    from kvc.export.manifest import outputs_fit
 
-    if device != "CPU":
-        return []
-    firsts = sorted((n for n in models if model_kind(n)[0] == "first"), key=lambda n: -model_kind(n)[1])
-    if not firsts:
-        return []
-    top = model_kind(firsts[0])[1]
-    prefill = [n for n, e in models.items() if model_kind(n)[0] == "prefill" and _rows(e) == top]
-    group = (*prefill, *firsts)
+    group = branch_chain({name: _rows(entry) for name, entry in models.items()}, device)
     group = [n for n in group if outputs_fit(models[n]["outputs"], models[group[0]]["outputs"])]
     return [tuple(group)] if len(group) > 1 else []
+
+
+def branch_chain(rows: Mapping[str, int | None], device: str) -> tuple[str, ...]:
+    """Which of the static models (by name, each with its rows: its input_ids' length) one If
+    chain holds on `device` (the CPU only), in its order: the prefill model of the largest first
+    chunk's rows when there is one (the only branch with a past, so copied into one body, not
+    several), then the first chunks from the largest; empty without a first chunk. The rule
+    kvc compile groups by, and `kvc plan` counts blobs by (kvc.planner)."""
+    from kvc.export.manifest import model_kind
+
+    if device != "CPU":
+        return ()
+    firsts = sorted((n for n in rows if model_kind(n)[0] == "first"), key=lambda n: -model_kind(n)[1])
+    if not firsts:
+        return ()
+    top = model_kind(firsts[0])[1]
+    return (*(n for n, r in rows.items() if model_kind(n)[0] == "prefill" and r == top), *firsts)
 
 
 def _rows(entry: dict) -> int | None:

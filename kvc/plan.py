@@ -172,8 +172,8 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
 
     Several chunk sizes (a tuple; kvc's own, not NPUW's): the smallest is the chunk C as
     above, the larger ones are bulk chunks, each a prefill model of its own that long prompts
-    run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P), else it
-    is dropped with a note.
+    run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P) and
+    divide P (the static-shape pass's rule for every chunk), else it is dropped with a note.
 
     First chunks F (kvc's own): prefill models of F tokens with no past, for a prompt's first
     positions `[0, F)`: their attention reads the prompt alone, where a chunk model's reads
@@ -215,11 +215,11 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         if p2 != p:
             notes.append(f"max prompt length {p} aligned up to {p2} (multiple of the chunk size {chunk})")
         p = p2
-        kept = tuple(b for b in bulk if b < p)
-        if kept != bulk:
-            notes.append(f"prefill bulk chunk {', '.join(str(b) for b in bulk if b >= p)} dropped: not below the max "
-                         f"prompt length {p}")
-        bulk = kept
+        for b in bulk:
+            if b >= p or p % b:
+                notes.append(f"prefill bulk chunk {b} dropped: " + (f"not below the max prompt length {p}" if b >= p else
+                             f"the max prompt length {p} is not a multiple of it"))
+        bulk = tuple(b for b in bulk if b < p and p % b == 0)
         if chunk == p:  # one chunk with an empty past: the whole prompt at once
             notes.append(f"prefill chunk size {chunk} is the max prompt length: the whole prompt at once")
             chunk = 0

@@ -6,14 +6,17 @@ Inputs:
   text prompts tokenized with the model's tokenizer) or a histogram (JSON:
   ``{"requests": [[prompt_len, response_len, count], ...]}``);
 * the cost of the static models on the target (`Costs`): milliseconds of a prefill call by
-  the tokens it takes, of a generate step by the variant size, seconds to compile a model and
-  bytes it holds once compiled. Measured by kvc on this machine (`measure_costs`: real static
-  models of the model at a few sizes, compiled for the device and timed), cached, or given;
-* a budget: models (blobs per device, the prefill counted), compile seconds, device memory.
+  the tokens it takes (and of a first-chunk call, which reads no past), of a generate step by
+  the variant size, seconds to compile a model and bytes it holds once compiled. Measured by
+  kvc on this machine (`measure_costs`: real static models of the model at a few sizes,
+  compiled for the device and timed), cached, or given;
+* a budget: models (blobs per device, the prefill counted; on the CPU a first chunk shares
+  the blob of the prefill model of its rows: `blobs`), compile seconds, device memory.
 
 The model of a request of n prompt and m new tokens (the runtime's rules,
-kvc.runtime.static_pipeline): the prefill costs ceil(n / C) calls of C tokens (one call of P
-tokens without a chunk); decode step k (k = 1..m-1) runs on the smallest variant T with
+kvc.runtime.static_pipeline): the prefill costs the calls `prefill_calls` makes (ceil(n / C)
+calls of C tokens with one chunk, bulk and first-chunk calls where they save rows; one call of
+P tokens without a chunk); decode step k (k = 1..m-1) runs on the smallest variant T with
 T >= n + R and T >= n + k. Costs between measured sizes are interpolated linearly and made
 non-decreasing in size (a larger call or variant does not cost less; a measurement that says
 otherwise is noise, and would make a plan look worse than a larger configuration). P is the
@@ -21,8 +24,8 @@ smallest multiple of 64 (and of C) that takes every prompt, R the smallest that 
 request its tokens (P + R >= n + m - 1), so no request of the workload is refused. The plan
 minimizes the mean time per request (TTFT + decode) over the chunk and the variant set within
 the budget, and is printed beside `single` and `pyramid` as a user gets them without it: the
-default chunk, and the default P and R when they serve the workload. A plan file (`-o plan.json`) is what
-`kvc compile --plan` reads.
+default chunks, and the default P and R when they serve the workload. A plan file (`-o
+plan.json`) is what `kvc compile --plan` reads.
 """
 
 from __future__ import annotations
@@ -119,11 +122,14 @@ class Costs:
     compile_s: float = 0.0  # seconds to compile one static model
     model_bytes: int = 0  # bytes one compiled model holds on the device (packed weights)
     target: dict = field(default_factory=dict)  # device, precision, OpenVINO version, model hashes
+    # tokens per first-chunk call (no past) -> ms; without it (costs measured before kvc
+    # measured them) a first call is costed as a chunk call of its tokens
+    first_ms: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("call_ms", "step_ms"):
+        for name in ("call_ms", "step_ms", "first_ms"):
             points = getattr(self, name)
-            if not isinstance(points, dict) or not points or not all(
+            if not isinstance(points, dict) or (not points and name != "first_ms") or not all(
                     int(k) >= 1 and isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)
                     for k, v in points.items()):
                 raise UsageError(f"costs: {name} must map sizes >= 1 to finite milliseconds >= 0, found {points!r}")
@@ -134,10 +140,14 @@ class Costs:
     def step(self, size) -> np.ndarray:
         return _interpolate(self.step_ms, size)
 
+    def first(self, tokens) -> np.ndarray:
+        return _interpolate(self.first_ms, tokens) if self.first_ms else self.call(tokens)
+
     def to_dict(self) -> dict:
+        first = {"first_ms": {str(k): v for k, v in sorted(self.first_ms.items())}} if self.first_ms else {}
         return {"format": COSTS_FORMAT, "call_ms": {str(k): v for k, v in sorted(self.call_ms.items())},
-                "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, "compile_s": self.compile_s,
-                "model_bytes": self.model_bytes, "target": self.target}
+                "step_ms": {str(k): v for k, v in sorted(self.step_ms.items())}, **first,
+                "compile_s": self.compile_s, "model_bytes": self.model_bytes, "target": self.target}
 
     @classmethod
     def from_dict(cls, d, where: str = "costs") -> "Costs":
@@ -146,7 +156,8 @@ class Costs:
         try:
             return cls({int(k): float(v) for k, v in d["call_ms"].items()},
                        {int(k): float(v) for k, v in d["step_ms"].items()},
-                       float(d.get("compile_s", 0.0)), int(d.get("model_bytes", 0)), dict(d.get("target", {})))
+                       float(d.get("compile_s", 0.0)), int(d.get("model_bytes", 0)), dict(d.get("target", {})),
+                       {int(k): float(v) for k, v in d.get("first_ms", {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UsageError(f"{where}: malformed costs ({type(exc).__name__}: {exc})") from None
 
@@ -166,11 +177,11 @@ def _interpolate(points: dict, x) -> np.ndarray:
 
 
 def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=None, repeats: int = 7) -> Costs:
-    """Build the model's static prefill at three chunk sizes and generate models at three
-    sizes (within the positions it was built for), compile each for `device` as `kvc compile`
-    does, and time its calls: the fastest of `repeats` after one warm-up (on a shared machine
-    the other runs measure the neighbours: a median once read a 256 step as 36 ms where the
-    pipeline runs it in 21)."""
+    """Build the model's static prefill at three chunk sizes, with a first chunk of the same
+    rows each (no past), and generate models at three sizes (within the positions it was built
+    for), compile each for `device` as `kvc compile` does, and time its calls: the fastest of
+    `repeats` after one warm-up (on a shared machine the other runs measure the neighbours: a
+    median once read a 256 step as 36 ms where the pipeline runs it in 21)."""
     from kvc.export.build import build_static
     from kvc.export.compile import auto_cache, device_config, model_max_positions
     from kvc.export.manifest import openvino_version, source_hashes
@@ -187,12 +198,15 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     sizes = sorted({min(256, P + R), (P + R) // 2 // NPUW_ALIGN * NPUW_ALIGN or P + R, P + R})
     config = device_config(device, for_export=False, precision=precision)
     cache = auto_cache(device, precision)  # the KV type and attention `kvc compile` builds
-    call_ms, step_ms, compile_s, model_bytes = {}, {}, [], []
+    call_ms, first_ms, step_ms, compile_s, model_bytes = {}, {}, {}, [], []
     for i, chunk in enumerate(chunks):
-        options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunk < P else 0,
+        chunked = chunk < P
+        options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunked else 0,
+                                prefill_first=(chunk,) if chunked else (),
                                 variants=tuple(sizes) if i == 0 else "single", **cache)
         static = build_static(load(path), options, use_env=False)
-        names = ["prefill"] + ([f"generate-{s}" for s in sizes] if i == 0 else [])
+        names = ["prefill", *([f"first-{chunk}"] if chunked else []),
+                 *([f"generate-{s}" for s in sizes] if i == 0 else [])]
         for name in names:
             say(f"measuring: {name} (chunk {chunk})" if name == "prefill" else f"measuring: {name}")
             before = _rss()
@@ -216,13 +230,15 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                     times.append(1e3 * (time.perf_counter() - started))
             if name == "prefill":
                 call_ms[chunk] = float(min(times))
+            elif name.startswith("first-"):
+                first_ms[chunk] = float(min(times))
             else:
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
     target = {"device": device, "precision": precision, **cache, "openvino": openvino_version(),
               "model": source_hashes(path)}
-    return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target)
+    return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target, first_ms)
 
 
 def _rss() -> int:
@@ -257,10 +273,11 @@ class Candidate:
     sizes: tuple[int, ...]
     ttft_ms: float
     decode_ms: float
-    models: int
+    models: int  # blobs per device: an If chain of first chunks (CPU) is one (`blobs`)
     compile_s: float
     model_bytes: int
     bulk: tuple[int, ...] = ()  # bulk prefill chunks
+    first: tuple[int, ...] = ()  # first chunks
 
     @property
     def chunks(self) -> int | list[int]:
@@ -273,7 +290,7 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "max_prompt_len": self.prompt, "min_response_len": self.response,
-                "prefill_chunk_size": self.chunks, "variants": list(self.sizes),
+                "prefill_chunk_size": self.chunks, "prefill_first": list(self.first), "variants": list(self.sizes),
                 "expected_ms": {"ttft": self.ttft_ms, "decode": self.decode_ms, "request": self.request_ms},
                 "models": self.models, "compile_s": self.compile_s, "model_bytes": self.model_bytes}
 
@@ -286,16 +303,33 @@ def lengths_for(workload: Workload, chunk: int) -> tuple[int, int]:
     return P, R
 
 
-def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple[int, ...] = ()) -> float:
-    """Mean prefill time: the calls the runtime makes for each prompt (`prefill_calls`)."""
+def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple[int, ...] = (),
+               first: tuple[int, ...] = ()) -> float:
+    """Mean prefill time: the calls the runtime makes for each prompt (`prefill_calls`), a
+    first chunk's at its own cost (`Costs.first`)."""
     from kvc.runtime.static_pipeline import prefill_calls
 
     if not chunk or chunk >= P:
         return float(costs.call(P))
     lengths, counts = np.unique(workload.prompts, return_counts=True)
-    per_length = [sum(float(costs.call(call.size)) for call in prefill_calls(0, int(n), (), P, (chunk, *bulk)))
+    per_length = [sum(float(costs.first(call.size) if call.first else costs.call(call.size))
+                      for call in prefill_calls(0, int(n), (), P, (chunk, *bulk), first))
                   for n in lengths]
     return float(np.dot(per_length, counts) / counts.sum())
+
+
+def blobs(chunk: int, bulk: tuple[int, ...], first: tuple[int, ...], sizes, device: str) -> tuple[int, int]:
+    """(static models, blobs) of a configuration on `device`: the prefill, its bulk and first
+    chunks and the generate variants are a model each; on the CPU the first chunks and the
+    prefill model of the largest one's rows compile as one If blob, their weights packed once
+    (kvc.export.branches.branch_chain, the rule kvc compile groups by). Compiling costs every
+    model (an If compiles each body); device memory and the budget's models count blobs."""
+    from kvc.export.branches import branch_chain
+
+    rows = {"prefill": chunk or None, **{f"prefill-{b}": b for b in bulk}, **{f"first-{f}": f for f in first}}
+    group = branch_chain(rows, device)
+    models = len(rows) + len(sizes)
+    return models, models - max(0, len(group) - 1)
 
 
 def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
@@ -315,29 +349,33 @@ def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
 
 
 def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int, ...], variants,
-             lengths: tuple[int, int] | None = None) -> Candidate:
-    """`chunk`: one size, or the chunk and its bulk chunks (as --prefill-chunk-size)."""
+             lengths: tuple[int, int] | None = None, first: tuple[int, ...] = (), device: str = "CPU") -> Candidate:
+    """`chunk`: one size, or the chunk and its bulk chunks (as --prefill-chunk-size); `first`:
+    the first chunks (as --prefill-first; those plan_lengths drops are dropped)."""
     sizes = chunk if isinstance(chunk, tuple) else (chunk,)
     P, R = lengths or lengths_for(workload, sizes[0])
-    L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants)
-    models = 1 + len(L.bulk) + len(L.sizes)
+    L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants, first=first)
+    models, blob_count = blobs(L.chunk, L.bulk, L.first, L.sizes, device)
     return Candidate(name, L.prompt, L.response, L.chunk, L.sizes,
-                     prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk),
-                     decode_ms(workload, costs, L.response, L.sizes), models, models * costs.compile_s,
-                     models * costs.model_bytes, L.bulk)
+                     prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk, L.first),
+                     decode_ms(workload, costs, L.response, L.sizes), blob_count, models * costs.compile_s,
+                     blob_count * costs.model_bytes, L.bulk, L.first)
 
 
 def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int | tuple[int, ...] = 0,
-              max_positions: int | None = None) -> dict:
+              max_positions: int | None = None, default_first: tuple[int, ...] = (), device: str = "CPU") -> dict:
     """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
-    without a plan: the default chunk, and the default lengths (P 1024, R 128, P lowered to fit
-    the model's `max_positions` as kvc compile lowers it) when they serve every request of the
-    workload, else the workload's."""
+    without a plan: the default chunk and first chunks, and the default lengths (P 1024, R 128,
+    P lowered to fit the model's `max_positions` as kvc compile lowers it) when they serve every
+    request of the workload, else the workload's. The search takes at most one bulk chunk and at
+    most one first chunk, of the chunk's or the bulk chunk's rows (on the CPU one blob with that
+    prefill model: `blobs`)."""
     fitted = plan_lengths(None, None, default_chunk, "single", max_positions=max_positions)  # as compile fits them
     serves = (int(workload.prompts.max()) <= fitted.prompt
               and int((workload.prompts + workload.responses - 1).max()) <= fitted.prompt + fitted.response)
     defaults = (fitted.prompt, fitted.response) if serves else None
-    baselines = [evaluate(v, workload, costs, default_chunk, v, defaults) for v in ("single", "pyramid")]
+    baselines = [evaluate(v, workload, costs, default_chunk, v, defaults, default_first, device)
+                 for v in ("single", "pyramid")]
     best = None
     P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)
     chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0]
@@ -348,28 +386,33 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
         if len(candidates) > MAX_VARIANT_CANDIDATES:  # sizes where requests start: quantiles of n + R
             q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
             candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
-        bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < P]  # one bulk chunk at most
-        for bulk in bulks:
-            prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk)
-            for extra in range(0, budget.max_models - 1 - len(bulk)):
-                if not _fits(budget, costs, 2 + len(bulk) + extra):
+        bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < P and P % b == 0]
+        for bulk, first in ((b, f) for b in bulks for f in [(), *((x,) for x in (chunk, *b) if 0 < chunk < P)]):
+            prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first)
+            for extra in range(0, budget.max_models):
+                sizes = (*[0] * extra, top)
+                if not _fits(budget, costs, *blobs(chunk, bulk, first, sizes, device)):
                     break
                 for combo in itertools.combinations(candidates, extra):
                     sizes = (*combo, top)
                     ms = prefill + decode_ms(workload, costs, R, sizes)
                     if best is None or ms < best[0] - 1e-9:
-                        best = (ms, (chunk, *bulk), sizes)
+                        best = (ms, (chunk, *bulk), sizes, first)
     if best is None:
         raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
-    _, chunk, sizes = best
-    plan = evaluate("plan", workload, costs, chunk, sizes)
+    ms, chunk, sizes, first = best
+    plan = evaluate("plan", workload, costs, chunk, sizes, first=first, device=device)
+    if not math.isclose(plan.request_ms, ms, rel_tol=1e-9):  # compile would build another configuration
+        raise RuntimeError(f"internal error: the plan's search costed {ms:.3f} ms a request, the lengths kvc compile "
+                           f"builds from it {plan.request_ms:.3f} ({plan.to_dict()})")
     return {"plan": plan, "baselines": baselines}
 
 
-def _fits(budget: Budget, costs: Costs, models: int) -> bool:
-    return (models <= budget.max_models
+def _fits(budget: Budget, costs: Costs, models: int, blob_count: int) -> bool:
+    """Whether `models` static models in `blob_count` blobs (`blobs`) keep the budget."""
+    return (blob_count <= budget.max_models
             and (budget.max_compile_s is None or models * costs.compile_s <= budget.max_compile_s)
-            and (budget.max_bytes is None or models * costs.model_bytes <= budget.max_bytes))
+            and (budget.max_bytes is None or blob_count * costs.model_bytes <= budget.max_bytes))
 
 
 def plan_document(result: dict, workload: Workload, costs: Costs, budget: Budget) -> dict:
@@ -377,13 +420,14 @@ def plan_document(result: dict, workload: Workload, costs: Costs, budget: Budget
     plan = result["plan"]
     return {"format": PLAN_FORMAT, "lengths": {k: v for k, v in plan.to_dict().items()
                                                   if k in ("max_prompt_len", "min_response_len",
-                                                           "prefill_chunk_size", "variants")},
+                                                           "prefill_chunk_size", "prefill_first", "variants")},
             "expected": plan.to_dict(), "against": [b.to_dict() for b in result["baselines"]],
             "workload": workload.summary(), "budget": dataclasses.asdict(budget), "costs": costs.to_dict()}
 
 
 def read_plan(path: str | Path) -> dict:
-    """The lengths of a plan file, checked: max_prompt_len, min_response_len, prefill_chunk_size, variants."""
+    """The lengths of a plan file, checked: max_prompt_len, min_response_len, prefill_chunk_size,
+    prefill_first (a plan written before kvc planned first chunks has none: none), variants."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -399,10 +443,13 @@ def read_plan(path: str | Path) -> dict:
     def count(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    first = L.get("prefill_first", [])
     if (not all(count(L.get(k)) for k in ints)
             or not (count(chunk) or (isinstance(chunk, tuple) and all(count(c) for c in chunk)))
+            or not isinstance(first, list) or not all(count(f) and f > 0 for f in first)
             or not isinstance(L.get("variants"), list) or not L["variants"]
             or not all(count(v) and v > 1 for v in L["variants"])):
         raise UsageError(f"{path}: malformed lengths {json.dumps(L)[:120]}")
-    plan_lengths(L["max_prompt_len"], L["min_response_len"], chunk, tuple(L["variants"]))
-    return {**{k: L[k] for k in ints}, "prefill_chunk_size": chunk, "variants": tuple(L["variants"])}
+    plan_lengths(L["max_prompt_len"], L["min_response_len"], chunk, tuple(L["variants"]), first=tuple(first))
+    return {**{k: L[k] for k in ints}, "prefill_chunk_size": chunk, "prefill_first": tuple(first),
+            "variants": tuple(L["variants"])}

@@ -66,6 +66,9 @@ def test_plan_bulk_chunk_rules():
                                                                "prompt length 256",)
     L = plan_lengths(None, None, chunk=(64, 512), max_positions=256)  # P lowered to 128: no room for the bulk
     assert (L.prompt, L.chunk, L.bulk) == (128, 64, ())
+    L = plan_lengths(192, 128, chunk=(32, 128, 64))  # a bulk chunk P is no multiple of: the pass would refuse it
+    assert (L.prompt, L.chunk, L.bulk) == (192, 32, (64,)) and L.notes == (
+        "prefill bulk chunk 128 dropped: the max prompt length 192 is not a multiple of it",)
     with pytest.raises(UsageError, match="power of two, got 64,96"):
         plan_lengths(256, 64, chunk=(64, 96))
     with pytest.raises(UsageError, match="cannot be combined"):

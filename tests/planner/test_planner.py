@@ -10,13 +10,16 @@ import pytest
 
 from kvc import fixtures
 from kvc.errors import UsageError
-from kvc.planner import (Budget, Costs, Workload, best_plan, decode_ms, load_workload, prefill_ms,
+from kvc.planner import (Budget, Costs, Workload, best_plan, blobs, decode_ms, load_workload, prefill_ms,
                          read_plan)
 from tests.cli.runner import kvc
 
 # NPU-like costs: a call pays a weight pass plus its tokens; a step grows with the variant.
 STEEP = Costs({16: 28.0, 64: 40.0, 256: 88.0, 1024: 280.0}, {128: 10.0, 1024: 30.0, 4096: 100.0}, 1.0, 1000)
 FLAT = Costs({16: 28.0, 64: 40.0, 256: 88.0, 1024: 280.0}, {128: 20.0, 4096: 20.5}, 1.0, 1000)
+# A CPU's costs: a first-chunk call reads no past, so it costs less than a chunk call of its rows.
+CPU = Costs({16: 30.0, 128: 60.0, 512: 200.0}, {256: 20.0, 2048: 26.0}, 1.0, 1000,
+            first_ms={16: 22.0, 128: 45.0, 512: 170.0})
 
 
 def workload(seed, count, prompts, responses) -> Workload:
@@ -59,6 +62,52 @@ def test_prefill_costs_follow_the_runtimes_bulk_calls():
     assert prefill_ms(w, STEEP, 1024, 64, (512,)) == pytest.approx((2 * float(STEEP.call(512)) + 2 * 40.0) / 2)
 
 
+def test_first_chunk_calls_cost_their_own_and_default_to_a_chunk_calls():
+    """A first chunk's call is costed from first_ms; costs measured before kvc measured first
+    chunks cost it as a chunk call of its rows (the first chunk then gains nothing)."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    w = Workload(np.array([100, 300, 7]), np.array([1, 1, 1]))
+    want = np.mean([sum(float(CPU.first(c.size) if c.first else CPU.call(c.size))
+                        for c in prefill_calls(0, n, (), 1024, (16, 128), (128,))) for n in (100, 300, 7)])
+    assert prefill_ms(w, CPU, 1024, 16, (128,), (128,)) == pytest.approx(float(want))
+    assert prefill_ms(w, CPU, 1024, 16, (128,), (128,)) < prefill_ms(w, CPU, 1024, 16, (128,))
+    older = Costs(CPU.call_ms, CPU.step_ms, 1.0, 1000)
+    assert older.first(128) == older.call(128) == 60.0
+    assert Costs.from_dict(CPU.to_dict()) == CPU and "first_ms" not in older.to_dict()
+
+
+def test_a_first_chunk_and_the_prefill_model_of_its_rows_are_one_cpu_blob():
+    """Blobs as kvc compile builds them (export/branches.py): compiling counts every model, the
+    budget's models and memory count blobs."""
+    assert blobs(16, (128,), (128,), (1152,), "CPU") == (4, 3)
+    assert blobs(16, (128,), (128,), (1152,), "NPU") == (4, 4)
+    assert blobs(64, (), (64,), (320, 1152), "CPU") == (4, 3)
+    assert blobs(64, (256,), (), (1152,), "CPU") == (3, 3)
+    c = best_plan(Workload(np.array([100]), np.array([10])), CPU, Budget(max_models=3), (16, 128), None, (128,),
+                  "CPU")["baselines"][0]
+    assert (c.chunk, c.bulk, c.first, c.models) == (16, (128,), (128,), 3)
+    assert (c.compile_s, c.model_bytes) == (4 * CPU.compile_s, 3 * CPU.model_bytes)
+
+
+@pytest.mark.parametrize("device", ["CPU", "NPU"])
+def test_a_first_chunk_is_planned_where_it_shares_a_blob(device):
+    """Chat turns with costs where a first call is cheaper: within two models the CPU's plan
+    takes a first chunk of the chunk's rows (one blob with the chunk model); the NPU's, where a
+    first chunk is a blob of its own, cannot; with a third model it can."""
+    w = workload(2, 100, (10, 120), (20, 100))
+    two = best_plan(w, CPU, Budget(max_models=2), device=device)["plan"]
+    assert two.models == 2
+    if device == "CPU":
+        assert two.first == (two.chunk,) and not two.bulk
+        alone = best_plan(w, Costs(CPU.call_ms, CPU.step_ms, 1.0, 1000), Budget(max_models=2))["plan"]
+        assert two.request_ms < alone.request_ms and not alone.first
+    else:
+        assert two.first == ()
+        assert best_plan(w, CPU, Budget(max_models=3), device=device)["plan"].first
+    assert two.to_dict()["prefill_first"] == list(two.first)
+
+
 def test_mixed_lengths_get_a_bulk_chunk_when_the_budget_allows_it():
     """Short chats and long documents: with room for a third model the plan adds a bulk chunk
     above a small one (each call pays a weight pass), and expects less than with two models;
@@ -99,6 +148,21 @@ def test_the_budget_is_kept():
         best_plan(w, STEEP, Budget(max_models=2, max_compile_s=1.0))
     with pytest.raises(UsageError, match="at least 2 models"):
         Budget(max_models=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compile_builds_what_the_plan_costed(seed):
+    """The search costs only what kvc compile builds: a bulk chunk P is no multiple of (P 192
+    and bulk 128 was planned, which compile refused) is not searched, and best_plan refuses a
+    plan whose lengths, as plan_lengths makes them, cost other than the search said."""
+    from kvc.plan import plan_lengths
+
+    w = workload(seed, 60, (16, 180 + 300 * seed), (16, 128))
+    for device in ("CPU", "NPU"):
+        plan = best_plan(w, CPU, Budget(max_models=4), device=device)["plan"]
+        assert all(plan.prompt % b == 0 for b in plan.bulk)
+        L = plan_lengths(plan.prompt, plan.response, (plan.chunk, *plan.bulk), plan.sizes, first=plan.first)
+        assert (L.chunk, L.bulk, L.first, L.sizes, L.notes) == (plan.chunk, plan.bulk, plan.first, plan.sizes, ())
 
 
 def test_every_request_of_the_workload_fits_the_plan():
@@ -146,6 +210,11 @@ def test_malformed_costs_and_plans_are_refused(tmp_path):
     bad.write_text("{}")
     with pytest.raises(UsageError, match="not a kvc plan"):
         read_plan(bad)
+    bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
+        "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": 16, "prefill_first": [16, "x"],
+        "variants": [128]}}))
+    with pytest.raises(UsageError, match="malformed lengths"):
+        read_plan(bad)
     for chunk in ([16, "x"], [], [16, -32]):
         bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
             "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": chunk, "variants": [128]}}))
@@ -153,7 +222,7 @@ def test_malformed_costs_and_plans_are_refused(tmp_path):
             read_plan(bad)
 
 
-def test_compile_takes_bulk_chunks_from_a_plan(tmp_path):
+def test_compile_takes_bulk_and_first_chunks_from_a_plan(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
         "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": [16, 32], "variants": [128]}}))
@@ -161,6 +230,17 @@ def test_compile_takes_bulk_chunks_from_a_plan(tmp_path):
     assert "chunk 16 + bulk 32" in result.output and "chunk=16 + bulk 32" in result.output
     lengths = json.loads((tmp_path / "out" / "manifest.json").read_text())["plan"]["lengths"]
     assert (lengths["prefill_chunk_size"], lengths["prefill_bulk_chunks"]) == (16, [32])
+    assert lengths["prefill_first_chunks"] == []  # a plan without first chunks: none, whatever auto would pick
+    plan.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {
+        "max_prompt_len": 64, "min_response_len": 64, "prefill_chunk_size": [16, 32], "prefill_first": [32],
+        "variants": [128]}}))
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "first", "--plan", plan, "--no-verify")
+    assert "chunk 16 + bulk 32 + first 32" in result.output
+    lengths = json.loads((tmp_path / "first" / "manifest.json").read_text())["plan"]["lengths"]
+    assert lengths["prefill_first_chunks"] == [32]
+    conflict = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o2", "--plan", plan, "--prefill-first", "16",
+                   code=2)
+    assert "--plan sets --prefill-first" in conflict.output
 
 
 def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
@@ -176,6 +256,7 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "costs measured and written" in first.output and costs.is_file()
     data = json.loads(costs.read_text())
     assert data["format"] == "kvc-costs/1" and data["target"]["device"] == "CPU" and data["compile_s"] > 0
+    assert data["first_ms"] and set(data["first_ms"]) <= set(data["call_ms"])  # first chunks of each chunk's rows
     from kvc.export.compile import resolve_attention, resolve_kv, resolve_prefill_mlp
 
     kv, attention = resolve_kv("auto", ("CPU",), "auto"), resolve_attention("auto", ("CPU",))
@@ -240,5 +321,10 @@ def test_the_plan_is_never_expected_slower_than_what_a_user_gets(seed):
                   1.0, 1000)
     w = workload(seed, 100, (1, 900), (1, 200))
     result = best_plan(w, noisy, Budget(max_models=2), default_chunk=64)
+    assert all(result["plan"].request_ms <= b.request_ms + 1e-9 for b in result["baselines"])
+    first = Costs(noisy.call_ms, noisy.step_ms, 1.0, 1000, {32: float(rng.uniform(10, 40)),
+                                                            128: float(rng.uniform(10, 60))})
+    result = best_plan(w, first, Budget(max_models=3), (16, 128), None, (128,))  # the CPU's bf16 default
+    assert result["baselines"][0].first == (128,)
     assert all(result["plan"].request_ms <= b.request_ms + 1e-9 for b in result["baselines"])
     assert noisy.step(300) >= noisy.step(256) and noisy.call(64) >= noisy.call(32)
