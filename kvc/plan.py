@@ -172,8 +172,10 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
 
     Several chunk sizes (a tuple; kvc's own, not NPUW's): the smallest is the chunk C as
     above, the larger ones are bulk chunks, each a prefill model of its own that long prompts
-    run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P) and
-    divide P (the static-shape pass's rule for every chunk), else it is dropped with a note.
+    run in fewer calls (`prefill_calls`); a bulk chunk must leave a past (be below P), else it
+    is dropped with a note, and P is aligned up to the largest one kept (the static-shape
+    pass's rule for every chunk: P 1728 with the CPU's default bulk chunk of 128 became 1792;
+    the lowering to fit `max_positions` steps by it when it fits).
 
     First chunks F (kvc's own): prefill models of F tokens with no past, for a prompt's first
     positions `[0, F)`: their attention reads the prompt alone, where a chunk model's reads
@@ -194,6 +196,8 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     min_response_len = DEFAULT_MIN_RESPONSE_LEN if min_response_len is None else min_response_len
     if fit and max_prompt_len + min_response_len > max_positions:
         step = max(align, chunk, 1)
+        room = max_positions - min_response_len
+        step = max([step] + [b for b in bulk if room // b * b > b][-1:])  # the largest bulk chunk that still fits
         lowered = max(step, (max_positions - min_response_len) // step * step)
         notes.append(f"max prompt length {max_prompt_len} lowered to {lowered} so that P + R fits the model's "
                      f"{max_positions} positions (config.json); --max-prompt-len sets it")
@@ -215,11 +219,15 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         if p2 != p:
             notes.append(f"max prompt length {p} aligned up to {p2} (multiple of the chunk size {chunk})")
         p = p2
-        for b in bulk:
-            if b >= p or p % b:
-                notes.append(f"prefill bulk chunk {b} dropped: " + (f"not below the max prompt length {p}" if b >= p else
-                             f"the max prompt length {p} is not a multiple of it"))
-        bulk = tuple(b for b in bulk if b < p and p % b == 0)
+        kept = tuple(b for b in bulk if b < p)
+        if kept != bulk:
+            notes.append(f"prefill bulk chunk {', '.join(str(b) for b in bulk if b >= p)} dropped: not below the max "
+                         f"prompt length {p}")
+        bulk = kept
+        p3 = _align_up(p, bulk[-1]) if bulk else p  # the static-shape pass's rule, for every chunk
+        if p3 != p:
+            notes.append(f"max prompt length {p} aligned up to {p3} (multiple of the bulk chunk {bulk[-1]})")
+        p = p3
         if chunk == p:  # one chunk with an empty past: the whole prompt at once
             notes.append(f"prefill chunk size {chunk} is the max prompt length: the whole prompt at once")
             chunk = 0

@@ -20,7 +20,7 @@ P tokens without a chunk); decode step k (k = 1..m-1) runs on the smallest varia
 T >= n + R and T >= n + k. Costs between measured sizes are interpolated linearly and made
 non-decreasing in size (a larger call or variant does not cost less; a measurement that says
 otherwise is noise, and would make a plan look worse than a larger configuration). P is the
-smallest multiple of 64 (and of C) that takes every prompt, R the smallest that gives every
+smallest multiple of 64 (and of every chunk) that takes every prompt, R the smallest that gives every
 request its tokens (P + R >= n + m - 1), so no request of the workload is refused. The plan
 minimizes the mean time per request (TTFT + decode) over the chunk and the variant set within
 the budget, and is printed beside `single` and `pyramid` as a user gets them without it: the
@@ -295,9 +295,10 @@ class Candidate:
                 "models": self.models, "compile_s": self.compile_s, "model_bytes": self.model_bytes}
 
 
-def lengths_for(workload: Workload, chunk: int) -> tuple[int, int]:
-    """P and R (aligned as NPUW aligns them) that serve every request of the workload."""
-    P = _align(int(workload.prompts.max()), max(NPUW_ALIGN, chunk))
+def lengths_for(workload: Workload, chunks: int | tuple[int, ...]) -> tuple[int, int]:
+    """P and R (aligned as NPUW aligns them, and P to every chunk as plan_lengths does) that
+    serve every request of the workload."""
+    P = _align(int(workload.prompts.max()), max(NPUW_ALIGN, *(chunks if isinstance(chunks, tuple) else (chunks,))))
     need = int((workload.prompts + workload.responses - 1).max())
     R = max(NPUW_ALIGN, _align(need - P, NPUW_ALIGN))
     return P, R
@@ -353,7 +354,7 @@ def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int
     """`chunk`: one size, or the chunk and its bulk chunks (as --prefill-chunk-size); `first`:
     the first chunks (as --prefill-first; those plan_lengths drops are dropped)."""
     sizes = chunk if isinstance(chunk, tuple) else (chunk,)
-    P, R = lengths or lengths_for(workload, sizes[0])
+    P, R = lengths or lengths_for(workload, sizes)
     L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants, first=first)
     models, blob_count = blobs(L.chunk, L.bulk, L.first, L.sizes, device)
     return Candidate(name, L.prompt, L.response, L.chunk, L.sizes,
@@ -380,24 +381,25 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)
     chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0]
     for chunk in chunks:
-        P, R = lengths_for(workload, chunk)
-        top = P + R
-        candidates = list(range(2 * NPUW_ALIGN, top, NPUW_ALIGN))
-        if len(candidates) > MAX_VARIANT_CANDIDATES:  # sizes where requests start: quantiles of n + R
-            q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
-            candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
-        bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < P and P % b == 0]
-        for bulk, first in ((b, f) for b in bulks for f in [(), *((x,) for x in (chunk, *b) if 0 < chunk < P)]):
-            prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first)
-            for extra in range(0, budget.max_models):
-                sizes = (*[0] * extra, top)
-                if not _fits(budget, costs, *blobs(chunk, bulk, first, sizes, device)):
-                    break
-                for combo in itertools.combinations(candidates, extra):
-                    sizes = (*combo, top)
-                    ms = prefill + decode_ms(workload, costs, R, sizes)
-                    if best is None or ms < best[0] - 1e-9:
-                        best = (ms, (chunk, *bulk), sizes, first)
+        below = lengths_for(workload, chunk)[0]  # a bulk chunk must leave a past
+        bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < below]  # one at most
+        for bulk in bulks:
+            P, R = lengths_for(workload, (chunk, *bulk))
+            top = P + R
+            candidates = list(range(2 * NPUW_ALIGN, top, NPUW_ALIGN))
+            if len(candidates) > MAX_VARIANT_CANDIDATES:  # sizes where requests start: quantiles of n + R
+                q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
+                candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
+            for first in [(), *((x,) for x in (chunk, *bulk) if 0 < chunk < P)]:
+                prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first)
+                for extra in range(0, budget.max_models):
+                    if not _fits(budget, costs, *blobs(chunk, bulk, first, (0,) * (extra + 1), device)):
+                        break
+                    for combo in itertools.combinations(candidates, extra):
+                        sizes = (*combo, top)
+                        ms = prefill + decode_ms(workload, costs, R, sizes)
+                        if best is None or ms < best[0] - 1e-9:
+                            best = (ms, (chunk, *bulk), sizes, first)
     if best is None:
         raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
     ms, chunk, sizes, first = best

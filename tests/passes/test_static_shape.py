@@ -66,9 +66,12 @@ def test_plan_bulk_chunk_rules():
                                                                "prompt length 256",)
     L = plan_lengths(None, None, chunk=(64, 512), max_positions=256)  # P lowered to 128: no room for the bulk
     assert (L.prompt, L.chunk, L.bulk) == (128, 64, ())
-    L = plan_lengths(192, 128, chunk=(32, 128, 64))  # a bulk chunk P is no multiple of: the pass would refuse it
-    assert (L.prompt, L.chunk, L.bulk) == (192, 32, (64,)) and L.notes == (
-        "prefill bulk chunk 128 dropped: the max prompt length 192 is not a multiple of it",)
+    L = plan_lengths(1700, 128, chunk=(16, 128))  # P a multiple of every chunk: the pass refused 1728 at bulk 128
+    assert (L.prompt, L.chunk, L.bulk) == (1792, 16, (128,)) and L.notes == (
+        "max prompt length 1700 aligned up to 1728 (multiple of 64)",
+        "max prompt length 1728 aligned up to 1792 (multiple of the bulk chunk 128)")
+    L = plan_lengths(None, None, chunk=(16, 128), max_positions=1000)  # lowered to fit, by the bulk chunk's steps
+    assert (L.prompt, L.bulk) == (768, (128,)) and L.prompt + L.response <= 1000
     with pytest.raises(UsageError, match="power of two, got 64,96"):
         plan_lengths(256, 64, chunk=(64, 96))
     with pytest.raises(UsageError, match="cannot be combined"):

@@ -152,9 +152,10 @@ def test_the_budget_is_kept():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_compile_builds_what_the_plan_costed(seed):
-    """The search costs only what kvc compile builds: a bulk chunk P is no multiple of (P 192
-    and bulk 128 was planned, which compile refused) is not searched, and best_plan refuses a
-    plan whose lengths, as plan_lengths makes them, cost other than the search said."""
+    """The search costs only what kvc compile builds: P is aligned to the bulk chunk as
+    plan_lengths aligns it (P 192 with a bulk chunk of 128 was planned, which the static-shape
+    pass refused), and best_plan refuses a plan whose lengths, as plan_lengths makes them, cost
+    other than the search said."""
     from kvc.plan import plan_lengths
 
     w = workload(seed, 60, (16, 180 + 300 * seed), (16, 128))
