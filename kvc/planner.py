@@ -399,14 +399,16 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
                         sizes = (*combo, top)
                         ms = prefill + decode_ms(workload, costs, R, sizes)
                         if best is None or ms < best[0] - 1e-9:
-                            best = (ms, (chunk, *bulk), sizes, first)
+                            best = (ms, (chunk, *bulk), sizes, first, P)
     if best is None:
         raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
-    ms, chunk, sizes, first = best
+    ms, chunk, sizes, first, P = best
     plan = evaluate("plan", workload, costs, chunk, sizes, first=first, device=device)
-    if not math.isclose(plan.request_ms, ms, rel_tol=1e-9):  # compile would build another configuration
-        raise RuntimeError(f"internal error: the plan's search costed {ms:.3f} ms a request, the lengths kvc compile "
-                           f"builds from it {plan.request_ms:.3f} ({plan.to_dict()})")
+    searched = (P, chunk[0] if chunk[0] < P else 0, chunk[1:], first, sizes, ms)
+    built = (plan.prompt, plan.chunk, plan.bulk, plan.first, plan.sizes, plan.request_ms)
+    if searched[:-1] != built[:-1] or not math.isclose(ms, plan.request_ms, rel_tol=1e-9):
+        raise RuntimeError(f"internal error: the plan's search chose P, chunk, bulk, first, variants, ms {searched}; "
+                           f"kvc compile would build {built}")
     return {"plan": plan, "baselines": baselines}
 
 

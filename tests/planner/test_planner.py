@@ -164,6 +164,9 @@ def test_compile_builds_what_the_plan_costed(seed):
         assert all(plan.prompt % b == 0 for b in plan.bulk)
         L = plan_lengths(plan.prompt, plan.response, (plan.chunk, *plan.bulk), plan.sizes, first=plan.first)
         assert (L.chunk, L.bulk, L.first, L.sizes, L.notes) == (plan.chunk, plan.bulk, plan.first, plan.sizes, ())
+    mixed = Workload(np.array([20] * 50 + [1100] * 50), np.array([16] * 100))  # P 1152 at the chunk, 2048 at 1024
+    plan = best_plan(mixed, FLAT, Budget(max_models=3))["plan"]
+    assert (plan.prompt, plan.bulk) == (2048, (1024,))
 
 
 def test_every_request_of_the_workload_fits_the_plan():
