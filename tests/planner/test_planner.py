@@ -206,6 +206,11 @@ def test_malformed_costs_and_plans_are_refused(tmp_path):
         Costs.from_dict({"call_ms": {}}, "c.json")
     with pytest.raises(UsageError, match="finite milliseconds"):
         Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": float("nan")}, "step_ms": {"64": 1.0}})
+    with pytest.raises(UsageError, match="first_ms must map"):
+        Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": 1.0}, "step_ms": {"64": 1.0},
+                         "first_ms": {"16": -1.0}})
+    with pytest.raises(UsageError, match="malformed costs"):
+        Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": 1.0}, "step_ms": {"64": 1.0}, "first_ms": [1]})
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {"max_prompt_len": 64, "min_response_len": 64,
                                                                     "prefill_chunk_size": 48, "variants": [128]}}))
