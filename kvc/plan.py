@@ -198,7 +198,7 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         step = max(align, chunk, 1)
         room = max_positions - min_response_len
         step = max([step] + [b for b in bulk if room // b * b > b][-1:])  # the largest bulk chunk that still fits
-        lowered = max(step, (max_positions - min_response_len) // step * step)
+        lowered = max(step, room // step * step)
         notes.append(f"max prompt length {max_prompt_len} lowered to {lowered} so that P + R fits the model's "
                      f"{max_positions} positions (config.json); --max-prompt-len sets it")
         max_prompt_len = lowered

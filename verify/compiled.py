@@ -34,10 +34,9 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     F + B + 9, which also runs C over the rows of both (the CPU's default, 16 / 128 / first 128:
     7 and 265 tokens; a separate C + 9 probe ran on all three engines proving nothing the 265
     did not: `kvc compile` of the 250M model 15.6 -> 15.2 s, medians of three alternating runs
-    on a noisy machine). An unchunked prefill has one path, a padded
-    prompt over no past, which 7 tokens would run again: on kvc's numpy runtime each run is a
-    full P-row prefill (5 s for the 250M model at P = 1024, half of an NPU compile's numpy
-    check).
+    on a noisy machine). An unchunked prefill has one path, a padded prompt over no past, which
+    7 tokens would run again: on kvc's numpy runtime each run is a full P-row prefill (5 s for
+    the 250M model at P = 1024, half of an NPU compile's numpy check).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
