@@ -6,27 +6,31 @@ is per compiled model, keyed by the constant's address (intel_cpu weights_cache.
 DnnlExtensionUtils::computeWeightsStringHash). Every static model compiled alone holds all the
 weights again: the 250M Llama's four CPU models held 464 MB each.
 
-The first-chunk models `first-F` and the prefill model of the largest F's rows (the bulk chunk
-`prefill-F`, or the chunk `prefill` when C = F) read the same weights and give outputs of the
-same names and types (their rows may differ); their inputs differ (a first chunk reads no past;
-its mask has F columns). So kvc compiles them for the CPU as one model (`branch_groups` picks
-them): a chain of Ifs, each on a boolean input `kvc.select.<place>.<model>` (`select_input`)
-whose then-body is that model and else-body the next If, the last model the innermost
-else-body, every body read over one mapping of weights.bin so that their constants have the
-same addresses. The plugin's If runs one body per inference and copies only that body's inputs
-into it (nodes/if.cpp): the prefill model, the only one with a past, is the outermost
-then-body, so its past (896 rows for a 128-row call) is copied once. The smaller bodies'
-outputs are padded with zeros to the first model's, so that the Ifs' outputs are static, and
-each `BranchSession` cuts its own back. On the 250M Llama (AVX512_BF16 host), a first chunk and
-the bulk chunk compiled together held 1541 MB against 1947 for the two apart, at the same time
-per call (first 140 ms, bulk 167; docs/benchmarks.md).
+The prefill models, the chunk `prefill`, the bulk chunks `prefill-B` and the first chunks
+`first-F`, read the same weights and give outputs of the same names and types (their rows
+differ); their inputs differ (a first chunk reads no past; its mask has F columns). So kvc
+compiles them for the CPU as one model (`branch_chain` picks them): a chain of Ifs, each on a
+boolean input `kvc.select.<place>.<model>` (`select_input`) whose then-body is that model and
+else-body the next If, the last model the innermost else-body, every body read over one
+mapping of weights.bin so that their constants have the same addresses. The plugin's If runs
+one body per inference and copies that body's inputs into it at every level it is nested in
+(nodes/if.cpp): the chunk, the most frequent call, is the outermost then-body (its 1008-row
+past copied once), the bulk chunks next (copied twice: about 1.3 ms on a 170 ms call), the
+first chunks, which read no past, last. The outputs are padded with zeros to the largest of
+every body's (`padded_outputs`), so that the Ifs' outputs are static, and each
+`BranchSession` cuts its own back. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
+first chunk compiled as one held 1700 MB against 2539 for the three apart (one packing of the
+weights, not three), at the same time per call within the machine's noise (chunk 39.2 / 35.1 /
+34.3 ms against 36.5 / 35.4 / 33.6 apart in three alternating rounds; bulk and first chunk
+within +-3%); a first chunk and the bulk chunk alone had held 1541 MB against 1947.
 
 The If's inputs (`branch_inputs`): an input every model has with the same type and shape keeps
 its names; any other is named `<model>.<name>` (`first-128.attention_mask`). A manifest records
 the group as `"branches"` (the chain's order) in each model's blob entry, which all name the
 same file; `branch_selects` says what each model feeds the selectors.
 
-The generate model stays apart: it runs once a token and would copy its whole past per step.
+The generate models stay apart: each runs once a token and would copy its whole past per step
+(a generate step through an If with the chunk measured 10-20% slower here).
 """
 
 from __future__ import annotations
@@ -48,36 +52,31 @@ def select_input(order, model: str) -> str:
 
 
 def branch_groups(models: Mapping[str, dict], device: str) -> list[tuple[str, ...]]:
-    """The models whose blob is one If chain on `device`, in its order (`branch_chain` over
-    each model's rows). `models` maps a name to its manifest entry; a group's outputs must pad
-    to its first model's (`outputs_fit`); a group of one is no group."""
-    from kvc.export.manifest import outputs_fit
+    """The models whose blob is one If chain on `device`, in its order (`branch_chain`).
+    `models` maps a name to its manifest entry; a group's outputs must pad to one table
+    (`padded_outputs`: those that differ from the first's are left out); a group of one is no
+    group."""
+    from kvc.export.manifest import padded_outputs
 
-    group = branch_chain({name: _rows(entry) for name, entry in models.items()}, device)
-    group = [n for n in group if outputs_fit(models[n]["outputs"], models[group[0]]["outputs"])]
+    group = branch_chain(models, device)
+    group = [n for n in group if padded_outputs([models[n]["outputs"], models[group[0]]["outputs"]]) is not None]
     return [tuple(group)] if len(group) > 1 else []
 
 
-def branch_chain(rows: Mapping[str, int | None], device: str) -> tuple[str, ...]:
-    """Which of the static models (by name, each with its rows: its input_ids' length) one If
-    chain holds on `device` (the CPU only), in its order: the prefill model of the largest first
-    chunk's rows when there is one (the only branch with a past, so copied into one body, not
-    several), then the first chunks from the largest; empty without a first chunk. The rule
-    kvc compile groups by, and `kvc plan` counts blobs by (kvc.planner)."""
+def branch_chain(names, device: str) -> tuple[str, ...]:
+    """Which of the static models (by name) one If chain holds on `device` (the CPU only), in
+    its order: every prefill model, the chunk first (the most frequent call, its past copied
+    into one body, where a model nested deeper is copied at each level), then the bulk chunks
+    and the first chunks (which read no past), each from the largest; a chain of one is none.
+    The rule kvc compile groups by, and `kvc plan` counts blobs by (kvc.planner)."""
     from kvc.export.manifest import model_kind
 
     if device != "CPU":
         return ()
-    firsts = sorted((n for n in rows if model_kind(n)[0] == "first"), key=lambda n: -model_kind(n)[1])
-    if not firsts:
-        return ()
-    top = model_kind(firsts[0])[1]
-    return (*(n for n, r in rows.items() if model_kind(n)[0] == "prefill" and r == top), *firsts)
-
-
-def _rows(entry: dict) -> int | None:
-    ids = next((p for p in entry["inputs"] if p["name"] == "input_ids"), None)
-    return None if ids is None else ids["shape"][-1]
+    order = {"prefill": 0, "first": 1}
+    chain = sorted((n for n in names if model_kind(n)[0] in order),
+                   key=lambda n: (order[model_kind(n)[0]], model_kind(n)[1] is not None, -(model_kind(n)[1] or 0)))
+    return tuple(chain) if len(chain) > 1 else ()
 
 
 def _ports(table: list[dict]) -> list[tuple]:
@@ -104,20 +103,22 @@ def branch_selects(order) -> dict[str, dict[str, bool]]:
 def branch_ports(entries: Mapping[str, dict]) -> dict:
     """The inputs and outputs tables of the If chain over the models' manifest `entries` (in
     its order): the selectors, then each model's inputs as `branch_inputs` names them; the
-    outputs are the first model's (the others' are padded to them)."""
+    outputs are every model's padded to the largest (`padded_outputs`)."""
+    from kvc.export.manifest import padded_outputs
+
     names = branch_inputs({m: e["inputs"] for m, e in entries.items()})
     inputs = [{"name": select_input(entries, m), "element_type": "boolean", "shape": []} for m in list(entries)[:-1]]
     for model, entry in entries.items():
         for port in entry["inputs"]:
             if names[model][port["name"]] not in [p["name"] for p in inputs]:
                 inputs.append({**port, "name": names[model][port["name"]]})
-    return {"inputs": inputs, "outputs": next(iter(entries.values()))["outputs"]}
+    return {"inputs": inputs, "outputs": padded_outputs([e["outputs"] for e in entries.values()])}
 
 
 def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
     """The If chain over static models (in order: each model the then-body of one If whose
     else-body holds the rest; the last the innermost else-body). Each body's outputs are padded
-    with zeros to the first model's shapes, so that the If's outputs are static: OpenVINO
+    with zeros to the largest of every model's, so that the If's outputs are static: OpenVINO
     2026.4.1's CPU plugin crashed running an If whose outputs were dynamic (a segfault when a
     body of fewer rows ran before one of more). The constants must share addresses (all read
     over one `map_weights` mapping) for the plugin to pack them once."""
@@ -125,7 +126,9 @@ def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
 
     names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
     order = list(models)
-    largest = [r.get_output_partial_shape(0).to_shape() for r in models[order[0]].get_results()]
+    largest = [ov.Shape([max(int(d) for d in dims) for dims in zip(*shapes)])
+               for shapes in zip(*([r.get_output_partial_shape(0).to_shape() for r in m.get_results()]
+                                   for m in models.values()))]
     for name, model in models.items():  # every body's parameters by their names in the If
         for param in model.get_parameters():
             param.output(0).set_names({names[name][param.output(0).get_any_name()]})

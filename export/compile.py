@@ -3,8 +3,8 @@
     OUT/prefill.xml, OUT/generate-<T>.xml   static IR, all reading OUT/weights.bin
     OUT/weights.bin                          every weight once
     OUT/<model>.<DEVICE>.blob                compiled blobs (CPU: weightless, reads weights.bin)
-    OUT/<model>+first-<F>+….CPU.blob         the first chunks and the prefill model of the largest
-                                             one's rows: one CPU blob, their weights packed once
+    OUT/prefill+prefill-<B>+first-<F>….CPU.blob  the prefill models (chunk, bulk and first
+                                             chunks): one CPU blob, their weights packed once
                                              (export/branches.py)
     OUT/dumps/                               pass-by-pass IR dumps, when asked for
     OUT/manifest.json                        written last (kvc.export.manifest)
@@ -96,9 +96,9 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # a 100-token prompt's one call cost 167 ms on a compute-bound host (AVX512_BF16, no AMX)
 # where the first-chunk model, reading the prompt alone, costs 138 (the stateful model 131).
 # The 512 bulk chunk it replaces saved nothing there (one 512-row call 650 ms, four 128-row
-# ones 640), and the first chunk shares one CPU blob, and one packing of the weights, with the
-# bulk chunk of its size (export/branches.py): four models, three packings (1543 MB held
-# against 1961 apart). First chunks of 32 and 64 too (24 / 40 / 64 tokens 1.96x / 1.90x /
+# ones 640), and the chunk, bulk chunk and first chunk are one CPU blob with one packing of the
+# weights (export/branches.py): four models, two packings (opening held 1125 MB against 1508
+# with three, 1961 with four). First chunks of 32 and 64 too (24 / 40 / 64 tokens 1.96x / 1.90x /
 # 1.70x -> 1.24x / 1.50x / 1.01x, bench/ttft.py) cost the compile 6 s more (six probes where
 # three did) and the open 50 MB (1.52x the stateful model's peak): not the default yet. Bulk
 # and first chunks are dropped where P is not above them.

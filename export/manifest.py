@@ -234,7 +234,7 @@ def _check_branch_list(models: dict, name: str, device: str, branches, bad) -> N
 
 def _check_branches(models: dict, name: str, device: str, blob: dict, bad) -> None:
     """The models an If blob lists each list the same file and branches for the device, and
-    each one's outputs pad to the first model's (`outputs_fit`)."""
+    their outputs pad to one table (`padded_outputs`)."""
     branches = blob["branches"]
     for other in (m for m in branches if m != name):
         theirs = models[other]["blobs"].get(device) or {}
@@ -242,18 +242,21 @@ def _check_branches(models: dict, name: str, device: str, blob: dict, bad) -> No
             raise bad(f"models {name!r} and {other!r} disagree on their shared {device} blob",
                       expected=f"{blob['file']} with branches {branches}",
                       found=f"{theirs.get('file')} with branches {theirs.get('branches')}")
-    if not outputs_fit(models[name]["outputs"], models[branches[0]]["outputs"]):
+    if padded_outputs([models[name]["outputs"], models[branches[0]]["outputs"]]) is None:
         raise bad(f"model {name!r} shares a {device} blob with {branches[0]!r} but not its outputs",
-                  expected=f"{branches[0]!r}'s outputs' names, types and ranks, no dimension larger",
-                  found=f"{name!r}'s differ")
+                  expected=f"{branches[0]!r}'s outputs' names, types and ranks", found=f"{name!r}'s differ")
 
 
-def outputs_fit(table: list[dict], largest: list[dict]) -> bool:
-    """Whether outputs (a port table) pad to `largest`'s: the same names, types and ranks, no
-    dimension larger (export/branches.py)."""
-    return len(table) == len(largest) and all(
-        (p["name"], p["element_type"], len(p["shape"])) == (q["name"], q["element_type"], len(q["shape"]))
-        and all(a <= b for a, b in zip(p["shape"], q["shape"])) for p, q in zip(table, largest))
+def padded_outputs(tables: list[list[dict]]) -> list[dict] | None:
+    """The outputs (a port table) that port tables pad to: the same names, types and ranks in
+    each, every dimension the largest of any (export/branches.py); None when they differ in
+    anything but their dimensions."""
+    first = tables[0]
+    if any(len(t) != len(first) or any((p["name"], p["element_type"], len(p["shape"])) !=
+                                       (q["name"], q["element_type"], len(q["shape"])) for p, q in zip(t, first))
+           for t in tables):
+        return None
+    return [{**ports[0], "shape": [max(dims) for dims in zip(*(p["shape"] for p in ports))]} for ports in zip(*tables)]
 
 
 def shared_with(name: str, blob: dict) -> str:

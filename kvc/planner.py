@@ -10,8 +10,8 @@ Inputs:
   the variant size, seconds to compile a model and bytes it holds once compiled. Measured by
   kvc on this machine (`measure_costs`: real static models of the model at a few sizes,
   compiled for the device and timed), cached, or given;
-* a budget: models (blobs per device, the prefill counted; on the CPU a first chunk shares
-  the blob of the prefill model of its rows: `blobs`), compile seconds, device memory.
+* a budget: models (blobs per device, the prefill counted; on the CPU every prefill model,
+  chunk, bulk and first chunks, is one blob: `blobs`), compile seconds, device memory.
 
 The model of a request of n prompt and m new tokens (the runtime's rules,
 kvc.runtime.static_pipeline): the prefill costs the calls `prefill_calls` makes (ceil(n / C)
@@ -321,15 +321,15 @@ def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple
 
 def blobs(chunk: int, bulk: tuple[int, ...], first: tuple[int, ...], sizes, device: str) -> tuple[int, int]:
     """(static models, blobs) of a configuration on `device`: the prefill, its bulk and first
-    chunks and the generate variants are a model each; on the CPU the first chunks and the
-    prefill model of the largest one's rows compile as one If blob, their weights packed once
-    (kvc.export.branches.branch_chain, the rule kvc compile groups by). Compiling costs every
-    model (an If compiles each body); device memory and the budget's models count blobs."""
+    chunks and the generate variants are a model each; on the CPU the prefill models compile as
+    one If blob, their weights packed once (kvc.export.branches.branch_chain, the rule kvc
+    compile groups by). Compiling costs every model (an If compiles each body); device memory
+    and the budget's models count blobs."""
     from kvc.export.branches import branch_chain
 
-    rows = {"prefill": chunk or None, **{f"prefill-{b}": b for b in bulk}, **{f"first-{f}": f for f in first}}
-    group = branch_chain(rows, device)
-    models = len(rows) + len(sizes)
+    prefills = ["prefill", *(f"prefill-{b}" for b in bulk), *(f"first-{f}" for f in first)]
+    group = branch_chain(prefills, device)
+    models = len(prefills) + len(sizes)
     return models, models - max(0, len(group) - 1)
 
 
@@ -369,8 +369,8 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     without a plan: the default chunk and first chunks, and the default lengths (P 1024, R 128,
     P lowered to fit the model's `max_positions` as kvc compile lowers it) when they serve every
     request of the workload, else the workload's. The search takes at most one bulk chunk and at
-    most one first chunk, of the chunk's or the bulk chunk's rows (on the CPU one blob with that
-    prefill model: `blobs`)."""
+    most one first chunk, of the chunk's or the bulk chunk's rows (on the CPU all in one blob:
+    `blobs`)."""
     fitted = plan_lengths(None, None, default_chunk, "single", max_positions=max_positions)  # as compile fits them
     serves = (int(workload.prompts.max()) <= fitted.prompt
               and int((workload.prompts + workload.responses - 1).max()) <= fitted.prompt + fitted.response)

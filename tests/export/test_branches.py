@@ -1,4 +1,4 @@
-"""The first chunks and the prefill model of the largest one's rows are one CPU blob, an If
+"""The prefill models (the chunk, the bulk chunks, the first chunks) are one CPU blob, an If
 chain whose branches pack their weights once (export/branches.py): each branch computes exactly
 what its model computes compiled alone, an open imports the blob once, and a manifest that
 misdescribes it is refused."""
@@ -24,14 +24,14 @@ from tests.cli.runner import kvc
 from tests.conftest import fixture_names
 
 CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(16, 32))
-GROUP = ["prefill-32", "first-32", "first-16"]
-BLOB = "prefill-32+first-32+first-16.CPU.blob"
+GROUP = ["prefill", "prefill-32", "first-32", "first-16"]
+BLOB = "prefill+prefill-32+first-32+first-16.CPU.blob"
 
 
 @pytest.fixture(scope="module")
 def paired(tmp_path_factory):
     """The llama fixture compiled exact (f32) with chunks of 16, a bulk chunk of 32 and first
-    chunks of 16 and 32 (P 64): prefill-32, first-32 and first-16 share one CPU blob."""
+    chunks of 16 and 32 (P 64): prefill, prefill-32, first-32 and first-16 share one CPU blob."""
     out = tmp_path_factory.mktemp("branches") / "out"
     compile_to(fixtures.path("llama"), out, CompileOptions(CHUNKED, inference_precision="f32"))
     return out
@@ -49,14 +49,14 @@ def entry(rows, mask, past=None, present=None):
     return {"inputs": inputs, "outputs": outputs}
 
 
-def test_the_first_chunks_group_with_the_prefill_model_of_the_largest_ones_rows_on_the_cpu_only():
-    models = {"prefill": entry(16, 64, 48), "prefill-32": entry(32, 64, 32), "first-32": entry(32, 32),
-              "first-16": entry(16, 16), "generate-80": entry(1, 80, 79)}
-    assert branch_groups(models, "CPU") == [("prefill-32", "first-32", "first-16")]
+def test_every_prefill_model_groups_the_chunk_first_on_the_cpu_only():
+    models = {"first-16": entry(16, 16), "prefill-32": entry(32, 64, 32), "first-32": entry(32, 32),
+              "prefill": entry(16, 64, 48), "generate-80": entry(1, 80, 79)}
+    assert branch_groups(models, "CPU") == [("prefill", "prefill-32", "first-32", "first-16")]
     assert branch_groups(models, "NPU") == []
-    del models["prefill-32"]  # the first chunks alone still share a packing
-    assert branch_groups(models, "CPU") == [("first-32", "first-16")]
-    del models["first-16"]  # one model is no group
+    del models["first-32"], models["first-16"]  # a chunk and a bulk chunk share a packing too
+    assert branch_groups(models, "CPU") == [("prefill", "prefill-32")]
+    del models["prefill-32"]  # one model is no group
     assert branch_groups(models, "CPU") == []
     models["first-16"] = entry(16, 16)
     models["first-16"]["outputs"][1]["element_type"] = "f32"  # outputs of another type: kept apart
@@ -64,7 +64,7 @@ def test_the_first_chunks_group_with_the_prefill_model_of_the_largest_ones_rows_
 
 
 def test_each_model_selects_its_own_if_and_no_other():
-    assert branch_selects(GROUP) == {
+    assert branch_selects(["prefill-32", "first-32", "first-16"]) == {
         "prefill-32": {"kvc.select.0.prefill-32": True, "kvc.select.1.first-32": False},
         "first-32": {"kvc.select.0.prefill-32": False, "kvc.select.1.first-32": True},
         "first-16": {"kvc.select.0.prefill-32": False, "kvc.select.1.first-32": False}}
@@ -84,7 +84,7 @@ def test_the_group_is_one_blob_named_in_every_entry(paired):
     for name in GROUP:
         blob = models[name]["blobs"]["CPU"]
         assert blob["file"] == BLOB and blob["branches"] == GROUP
-    assert "branches" not in models["prefill"]["blobs"]["CPU"]
+    assert "branches" not in models["generate-128"]["blobs"]["CPU"]
     assert not any((paired / f"{name}.CPU.blob").exists() for name in GROUP)
 
 
@@ -112,7 +112,7 @@ def test_each_branch_computes_exactly_what_its_model_computes_compiled_alone(pai
               if k != "WEIGHTS_PATH"}
     rng = np.random.default_rng(0)
     for name, session, start in (("first-16", pipe.first_sessions[16], 0), ("first-32", pipe.first_sessions[32], 0),
-                                 ("prefill-32", pipe.prefill_sessions[32], 32)):
+                                 ("prefill-32", pipe.prefill_sessions[32], 32), ("prefill", pipe.prefill, 16)):
         assert isinstance(session, BranchSession)
         alone = OpenVINOSession(load(paired / manifest["models"][name]["xml"], weights=paired / "weights.bin"),
                                 "CPU", config)
@@ -139,7 +139,7 @@ def imports(monkeypatch):
 
 def test_an_open_imports_the_if_blob_once_and_first(paired, imports):
     open_compiled(paired, "openvino")
-    assert imports == [BLOB, "generate-128.CPU.blob", "prefill.CPU.blob"]
+    assert imports == [BLOB, "generate-128.CPU.blob"]
 
 
 def test_a_lazy_if_blob_goes_with_its_last_session_and_comes_back_when_run(paired, imports):
@@ -198,9 +198,7 @@ def swap(models):
     (lambda m: m["first-32"]["blobs"]["CPU"].update(branches=["first-32", "prefill"]),
      "disagree on their shared CPU blob"),
     (lambda m: next(p for p in m["first-32"]["outputs"] if p["name"] == "logits").update(element_type="f16"),
-     "model 'first-32' shares a CPU blob with 'prefill-32' but not its outputs"),
-    (lambda m: next(p for p in m["first-16"]["outputs"] if p["name"] == "present.0.key").update(shape=[1, 2, 48, 16]),
-     "model 'first-16' shares a CPU blob with 'prefill-32' but not its outputs"),
+     "model 'first-32' shares a CPU blob with 'prefill' but not its outputs"),
 ])
 def test_a_manifest_misdescribing_the_pair_is_refused(paired, tmp_path, damage, message):
     out = damaged(paired, tmp_path, damage)
@@ -214,8 +212,8 @@ def test_a_manifest_that_reordered_the_branches_is_refused_at_import(paired, tmp
     would run a first chunk's body)."""
     out = damaged(paired, tmp_path, swap)
     result = kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "openvino", code=3)
-    assert "model 'first-32+prefill-32+first-16''s inputs differ from what the manifest lists" in result.output
-    assert "kvc.select.0.first-32" in result.output
+    assert "model 'prefill-32+prefill+first-32+first-16''s inputs differ from what the manifest lists" in result.output
+    assert "kvc.select.0.prefill-32" in result.output
 
 
 @pytest.mark.parametrize("name", fixture_names(compressed=True))
@@ -223,7 +221,7 @@ def test_every_fixture_runs_its_goldens_through_the_if_blob(name, tmp_path):
     """Across the zoo and its compressed weights (int8, int4 with and without zero points), at
     exact f32 the If blob's branches reproduce the stateful model's goldens (the 6-token prompt
     is one first-16 call, the 17-token one a first-32 call, the 54-token one first-32 then the
-    bulk chunk)."""
+    bulk chunk; the chunk runs where a call ends off the bulk chunk's rows)."""
     out = tmp_path / "out"
     manifest = compile_to(fixtures.path(name), out,
                           CompileOptions(dataclasses.replace(CHUNKED, kv_precision="f32"), inference_precision="f32"))

@@ -77,29 +77,31 @@ def test_first_chunk_calls_cost_their_own_and_default_to_a_chunk_calls():
     assert Costs.from_dict(CPU.to_dict()) == CPU and "first_ms" not in older.to_dict()
 
 
-def test_a_first_chunk_and_the_prefill_model_of_its_rows_are_one_cpu_blob():
-    """Blobs as kvc compile builds them (export/branches.py): compiling counts every model, the
-    budget's models and memory count blobs."""
-    assert blobs(16, (128,), (128,), (1152,), "CPU") == (4, 3)
+def test_the_prefill_models_are_one_cpu_blob():
+    """Blobs as kvc compile builds them (export/branches.py: on the CPU the chunk, bulk and first
+    chunks are one If blob): compiling counts every model, the budget's models and memory
+    count blobs."""
+    assert blobs(16, (128,), (128,), (1152,), "CPU") == (4, 2)
     assert blobs(16, (128,), (128,), (1152,), "NPU") == (4, 4)
     assert blobs(64, (), (64,), (320, 1152), "CPU") == (4, 3)
-    assert blobs(64, (256,), (), (1152,), "CPU") == (3, 3)
+    assert blobs(64, (256,), (), (1152,), "CPU") == (3, 2)
+    assert blobs(64, (), (), (1152,), "CPU") == (2, 2)
     c = best_plan(Workload(np.array([100]), np.array([10])), CPU, Budget(max_models=3), (16, 128), None, (128,),
                   "CPU")["baselines"][0]
-    assert (c.chunk, c.bulk, c.first, c.models) == (16, (128,), (128,), 3)
-    assert (c.compile_s, c.model_bytes) == (4 * CPU.compile_s, 3 * CPU.model_bytes)
+    assert (c.chunk, c.bulk, c.first, c.models) == (16, (128,), (128,), 2)
+    assert (c.compile_s, c.model_bytes) == (4 * CPU.compile_s, 2 * CPU.model_bytes)
 
 
 @pytest.mark.parametrize("device", ["CPU", "NPU"])
 def test_a_first_chunk_is_planned_where_it_shares_a_blob(device):
     """Chat turns with costs where a first call is cheaper: within two models the CPU's plan
-    takes a first chunk of the chunk's rows (one blob with the chunk model); the NPU's, where a
-    first chunk is a blob of its own, cannot; with a third model it can."""
+    takes a first chunk (one blob with the chunk model); the NPU's, where a first chunk is a
+    blob of its own, cannot; with a third model it can."""
     w = workload(2, 100, (10, 120), (20, 100))
     two = best_plan(w, CPU, Budget(max_models=2), device=device)["plan"]
     assert two.models == 2
     if device == "CPU":
-        assert two.first == (two.chunk,) and not two.bulk
+        assert two.first and two.first[0] in (two.chunk, *two.bulk)
         alone = best_plan(w, Costs(CPU.call_ms, CPU.step_ms, 1.0, 1000), Budget(max_models=2))["plan"]
         assert two.request_ms < alone.request_ms and not alone.first
     else:
@@ -109,12 +111,15 @@ def test_a_first_chunk_is_planned_where_it_shares_a_blob(device):
 
 
 def test_mixed_lengths_get_a_bulk_chunk_when_the_budget_allows_it():
-    """Short chats and long documents: with room for a third model the plan adds a bulk chunk
-    above a small one (each call pays a weight pass), and expects less than with two models;
-    the plan file states both sizes and compile reads them."""
+    """Short chats and long documents: with room for a third model the NPU's plan adds a bulk
+    chunk above a small one (each call pays a weight pass), and expects less than with two
+    models; on the CPU, where the bulk chunk shares the chunk's blob, two models hold it. The
+    plan file states both sizes and compile reads them."""
     w = Workload(np.array([20] * 50 + [1000] * 50), np.array([16] * 100))
-    two, three = (best_plan(w, FLAT, Budget(max_models=m))["plan"] for m in (2, 3))
+    two, three = (best_plan(w, FLAT, Budget(max_models=m), device="NPU")["plan"] for m in (2, 3))
     assert not two.bulk and three.bulk and three.chunk < three.bulk[0] and three.models == 3
+    cpu = best_plan(w, FLAT, Budget(max_models=2))["plan"]
+    assert cpu.bulk and cpu.models == 2 and cpu.request_ms <= three.request_ms + 1e-9
     assert three.request_ms < two.request_ms
     assert three.to_dict()["prefill_chunk_size"] == [three.chunk, *three.bulk]
 
