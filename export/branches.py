@@ -14,15 +14,16 @@ boolean input `kvc.select.<place>.<model>` (`select_input`) whose then-body is t
 else-body the next If, the last model the innermost else-body, every body read over one
 mapping of weights.bin so that their constants have the same addresses. The plugin's If runs
 one body per inference and copies that body's inputs into it at every level it is nested in
-(nodes/if.cpp): the chunk, the most frequent call, is the outermost then-body (its 1008-row
-past copied once), the bulk chunks next (copied twice: about 1.3 ms on a 170 ms call), the
+(nodes/if.cpp): the chunk, the most frequent call (a short prompt's only one), is the
+outermost then-body (its 1008-row past copied once), the bulk chunks next (copied twice), the
 first chunks, which read no past, last. The outputs are padded with zeros to the largest of
 every body's (`padded_outputs`), so that the Ifs' outputs are static, and each
 `BranchSession` cuts its own back. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
 first chunk compiled as one held 1700 MB against 2539 for the three apart (one packing of the
-weights, not three), at the same time per call within the machine's noise (chunk 39.2 / 35.1 /
-34.3 ms against 36.5 / 35.4 / 33.6 apart in three alternating rounds; bulk and first chunk
-within +-3%); a first chunk and the bulk chunk alone had held 1541 MB against 1947.
+weights, not three); an open holds 1125 MB against 1508 when only the first and bulk chunks
+shared a blob. The price is the bulk calls': a 1000-token prompt's TTFT (a first chunk, then
+seven bulk calls) took 1489 ms against 1402, a 16- or 100-token prompt's the same
+(docs/benchmarks.md).
 
 The If's inputs (`branch_inputs`): an input every model has with the same type and shape keeps
 its names; any other is named `<model>.<name>` (`first-128.attention_mask`). A manifest records
