@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                                      "--min-response-len", str(max(64, need - max(prompts)))]
         asked = dict(zip(("max_prompt_len", "min_response_len"), map(int, lengths[1::2])))
         L = compile_static(("CPU",), "auto", **asked).lengths()  # what kvc compile builds with them
-        budget = blobs(L.chunk, L.bulk, L.first, L.sizes, "CPU")[1]  # the pyramid's blobs
+        budget = blobs(L.bulk, L.first, L.sizes, "CPU")[1]  # the pyramid's blobs
         _, plan_s = kvc("plan", args.model, "--workload", w, "--costs", costs, "--max-models", budget,
                         "-o", tmp / f"plan{i}.json")
         plan = json.loads((tmp / f"plan{i}.json").read_text())

@@ -319,7 +319,7 @@ def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple
     return float(np.dot(per_length, counts) / counts.sum())
 
 
-def blobs(chunk: int, bulk: tuple[int, ...], first: tuple[int, ...], sizes, device: str) -> tuple[int, int]:
+def blobs(bulk: tuple[int, ...], first: tuple[int, ...], sizes, device: str) -> tuple[int, int]:
     """(static models, blobs) of a configuration on `device`: the prefill, its bulk and first
     chunks and the generate variants are a model each; on the CPU the prefill models compile as
     one If blob, their weights packed once (kvc.export.branches.branch_chain, the rule kvc
@@ -356,7 +356,7 @@ def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int
     sizes = chunk if isinstance(chunk, tuple) else (chunk,)
     P, R = lengths or lengths_for(workload, sizes)
     L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants, first=first)
-    models, blob_count = blobs(L.chunk, L.bulk, L.first, L.sizes, device)
+    models, blob_count = blobs(L.bulk, L.first, L.sizes, device)
     return Candidate(name, L.prompt, L.response, L.chunk, L.sizes,
                      prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk, L.first),
                      decode_ms(workload, costs, L.response, L.sizes), blob_count, models * costs.compile_s,
@@ -393,7 +393,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
             for first in [(), *((x,) for x in (chunk, *bulk) if 0 < chunk < P)]:
                 prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first)
                 for extra in range(0, budget.max_models):
-                    if not _fits(budget, costs, *blobs(chunk, bulk, first, (0,) * (extra + 1), device)):
+                    if not _fits(budget, costs, *blobs(bulk, first, (0,) * (extra + 1), device)):
                         break
                     for combo in itertools.combinations(candidates, extra):
                         sizes = (*combo, top)

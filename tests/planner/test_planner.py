@@ -81,11 +81,11 @@ def test_the_prefill_models_are_one_cpu_blob():
     """Blobs as kvc compile builds them (export/branches.py: on the CPU the chunk, bulk and first
     chunks are one If blob): compiling counts every model, the budget's models and memory
     count blobs."""
-    assert blobs(16, (128,), (128,), (1152,), "CPU") == (4, 2)
-    assert blobs(16, (128,), (128,), (1152,), "NPU") == (4, 4)
-    assert blobs(64, (), (64,), (320, 1152), "CPU") == (4, 3)
-    assert blobs(64, (256,), (), (1152,), "CPU") == (3, 2)
-    assert blobs(64, (), (), (1152,), "CPU") == (2, 2)
+    assert blobs((128,), (128,), (1152,), "CPU") == (4, 2)
+    assert blobs((128,), (128,), (1152,), "NPU") == (4, 4)
+    assert blobs((), (64,), (320, 1152), "CPU") == (4, 3)
+    assert blobs((256,), (), (1152,), "CPU") == (3, 2)
+    assert blobs((), (), (1152,), "CPU") == (2, 2)
     c = best_plan(Workload(np.array([100]), np.array([10])), CPU, Budget(max_models=3), (16, 128), None, (128,),
                   "CPU")["baselines"][0]
     assert (c.chunk, c.bulk, c.first, c.models) == (16, (128,), (128,), 2)
