@@ -123,13 +123,11 @@ def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
     2026.4.1's CPU plugin crashed running an If whose outputs were dynamic (a segfault when a
     body of fewer rows ran before one of more). The constants must share addresses (all read
     over one `map_weights` mapping) for the plugin to pack them once."""
-    from kvc.export.manifest import port_table
+    from kvc.export.manifest import padded_outputs, port_table
 
     names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
     order = list(models)
-    largest = [ov.Shape([max(int(d) for d in dims) for dims in zip(*shapes)])
-               for shapes in zip(*([r.get_output_partial_shape(0).to_shape() for r in m.get_results()]
-                                   for m in models.values()))]
+    largest = [p["shape"] for p in padded_outputs([port_table(model.outputs) for model in models.values()])]
     for name, model in models.items():  # every body's parameters by their names in the If
         for param in model.get_parameters():
             param.output(0).set_names({names[name][param.output(0).get_any_name()]})
