@@ -119,29 +119,33 @@ class DeviceCompiler:
 def _compile_one(request: dict) -> dict:
     from kvc.errors import openvino_reason
     from kvc.export.compile import embed_small_constants, import_config
-    from kvc.ir.reader import core, load
+    from kvc.export.mapped import HeldPages
+    from kvc.ir.reader import core, load, map_weights
     from kvc.ir.writer import write_bytes_atomic
 
     name, device, config = request["name"], request["device"], request["config"]
-    if "branches" in request:  # one If over the models, their constants read over one mapping
-        from kvc.export.branches import branch_model
-        from kvc.ir.reader import map_weights
+    # The models' constants are read over one mapping kvc holds (under them while they compile),
+    # whose pages are dropped as the compile reads them (export/mapped.py, HeldPages).
+    mapped = map_weights(request["weights"])
+    with HeldPages(mapped) as pages:
+        if "branches" in request:  # one If over the models
+            from kvc.export.branches import branch_model
 
-        mapped = map_weights(request["weights"])  # noqa: F841  (under the models' constants while they compile)
-        bodies = {branch: load(xml, weights=request["weights"], mapped=mapped)
-                  for branch, xml in request["branches"].items()}
-        for body in bodies.values():
-            embed_small_constants(body)
-        model = branch_model(bodies)
-    else:
-        model = load(request["xml"], weights=request["weights"])
-        if device == "CPU":
-            embed_small_constants(model)
-    try:
-        compiled = core().compile_model(model, device, config)
-        blob = compiled.export_model().getvalue()
-    except RuntimeError as exc:
-        raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
+            bodies = {branch: load(xml, weights=request["weights"], mapped=mapped)
+                      for branch, xml in request["branches"].items()}
+            for body in bodies.values():
+                embed_small_constants(body)
+            model = branch_model(bodies)
+        else:
+            model = load(request["xml"], weights=request["weights"], mapped=mapped)
+            if device == "CPU":
+                embed_small_constants(model)
+        try:
+            compiled = core().compile_model(model, device, config)
+            pages.until_idle()
+            blob = compiled.export_model().getvalue()
+        except RuntimeError as exc:
+            raise DeviceError(f"compiling {name} for {device} failed: {openvino_reason(exc)}") from None
     write_bytes_atomic(Path(request["blob"]), blob)
     return {"bytes": len(blob), "import_config": import_config(device, config, compiled)}
 

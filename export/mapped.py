@@ -48,6 +48,11 @@ After each import kvc asks the kernel to drop the new mappings' remaining pages 
   same address in that instant would lose its pages: kvc opens a directory on one thread.)
 
 Where this is not Linux, or the file is not found mapped, nothing is done.
+
+A device compile reads the weights over a mapping kvc made and holds (`HeldPages`): there the
+sweep drops pages with MADV_DONTNEED while the compile runs, which keeps them in the page cache
+(nothing reads the file from disk again), because only kvc can unmap that range. The rules are
+in `HeldPages`' docstring.
 """
 
 from __future__ import annotations
@@ -55,25 +60,28 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 
 _MADV_DONTNEED = 4
+_PROT_READ = 1
 _MADV_PAGEOUT = 21  # Linux 5.4; an older kernel answers EINVAL and the sweep does nothing
 SWEEP_SECONDS = 0.05
 
 
-def _libc_madvise():
+def _libc(name: str):
     try:
         import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
         fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         return fn
     except (OSError, AttributeError):  # not Linux
         return None
 
 
-_madvise = _libc_madvise()
+_madvise = _libc("madvise")
+_mprotect = _libc("mprotect")
 
 
 def shared_readonly_mappings(path: str | Path) -> set[tuple[int, int]]:
@@ -125,3 +133,85 @@ def pages_released(path: str | Path, *, sweep: bool = True):
             sweeper.join()
     for start, end in sorted(shared_readonly_mappings(path) - before):
         _madvise(start, end - start, _MADV_DONTNEED)
+
+
+class HeldPages:
+    """Give back, while a device compile runs, the pages of weights.bin it has read over a
+    mapping kvc holds (`ir.reader.map_weights`, the models' constants loaded over it).
+
+    OpenVINO reads every weight to compile (the CPU plugin packs them; NPUW copies them into
+    its weights bank, on a thread of its own after compile_model returns), so without this the
+    whole file stays resident in the compiling process beside what it made of it: the NPU
+    compile of the 250M bench model peaked at 3065 MB (1006 of them weights.bin), above
+    NPUW_LLM's compile of the same model. Used as a context manager, a thread of kvc's drops
+    the pages every SWEEP_SECONDS (``madvise(MADV_DONTNEED)``) and once more at exit.
+
+    The rules that make DONTNEED safe here, unlike under an import (module docstring):
+
+    * the range is kvc's own mapping, which the caller holds for the whole block, so nothing
+      can unmap it and map other memory there while the sweep runs;
+    * it is made read-only first (``mprotect``): map_weights maps copy-on-write (OpenVINO
+      shares only a writable buffer), and a page written in it would be private and lost by
+      DONTNEED. Read-only, no page can be written (a write faults), so every page is the
+      file's: dropped, it stays in the page cache and is faulted back with the same bytes.
+
+    Where the range cannot be made read-only (not Linux, an unaligned buffer), nothing is
+    dropped. `until_idle` lets NPUW's bank thread finish with the pages being dropped before
+    export_model, which waits for it holding the GIL (so no sweep could run)."""
+
+    IDLE_WINDOW = 0.025  # seconds; idle when the other threads used under a tenth of a core
+    IDLE_LIMIT = 120.0
+
+    def __init__(self, mapped) -> None:
+        self._range = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        if mapped is None or _madvise is None or _mprotect is None:
+            return
+        address, size = mapped.data.ctypes.data, mapped.data.nbytes
+        pagesize = os.sysconf("SC_PAGESIZE")
+        if address % pagesize == 0 and size > 0:
+            length = -(-size // pagesize) * pagesize
+            if _mprotect(address, length, _PROT_READ) == 0:
+                self._range = (address, length)
+
+    def drop(self) -> None:
+        if self._range is not None:
+            _madvise(self._range[0], self._range[1], _MADV_DONTNEED)
+
+    def until_idle(self) -> None:
+        """Return once this process's other threads have used under a tenth of a core for
+        IDLE_WINDOW (or after IDLE_LIMIT), dropping pages meanwhile. Only memory rides on it:
+        an early return leaves the rest of the work to export_model, which waits for it."""
+        if self._range is None:
+            return
+        import resource
+
+        def others() -> float:
+            own, mine = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
+            return own.ru_utime + own.ru_stime - mine.ru_utime - mine.ru_stime
+
+        started, used = time.monotonic(), others()
+        while time.monotonic() - started < self.IDLE_LIMIT:
+            time.sleep(self.IDLE_WINDOW)
+            self.drop()
+            now = others()
+            if now - used < self.IDLE_WINDOW / 10:
+                return
+            used = now
+
+    def _sweep(self) -> None:
+        while not self._done.wait(SWEEP_SECONDS):
+            self.drop()
+
+    def __enter__(self) -> HeldPages:
+        if self._range is not None:
+            self._thread = threading.Thread(target=self._sweep, name="kvc-drop-pages", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.drop()

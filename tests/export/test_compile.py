@@ -646,6 +646,96 @@ def test_an_import_in_progress_never_holds_the_whole_weights_file(tmp_path, monk
     assert unswept > 0.9 * size_kib
 
 
+def _random_weights(tmp_path, mib: int = 64):
+    data = np.random.default_rng(1).integers(0, 256, mib << 20, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+def test_a_device_compile_drops_the_weights_pages_it_has_read_and_keeps_their_bytes(tmp_path, monkeypatch):
+    """A device compile reads weights.bin over kvc's own mapping, whose pages kvc drops as the
+    compile reads them (export/mapped.py, HeldPages): the NPU compile of the bench model held
+    the whole file beside NPUW's copy of it (3065 MB, 2150 with the pages dropped). Read
+    again, every page has the file's bytes. Without the sweep the mapping holds all it read."""
+    import kvc.export.mapped as mapped
+    from kvc.ir.reader import map_weights
+
+    path, data = _random_weights(tmp_path)
+    size_kib, page = data.size // 1024, os.sysconf("SC_PAGESIZE")
+    expected = [int(data[i << 22:(i + 1) << 22][::page].sum(dtype=np.int64)) for i in range(16)]
+
+    def read_like_a_compile():
+        weights = map_weights(path)
+        view = weights.data
+        start = view.ctypes.data
+        ranges = {(start, start + -(-view.nbytes // page) * page)}
+        peak, sums = 0, []
+        with mapped.HeldPages(weights):
+            for i in range(16):
+                sums.append(int(view[i << 22:(i + 1) << 22][::page].sum(dtype=np.int64)))
+                time.sleep(3 * mapped.SWEEP_SECONDS / 4)
+                peak = max(peak, _resident_kib(path, ranges))
+            again = int(view[::page].sum(dtype=np.int64))
+        return peak, sums, again, _resident_kib(path, ranges)
+
+    peak, sums, again, after = read_like_a_compile()
+    assert sums == expected and again == int(data[::page].sum(dtype=np.int64))
+    assert peak < 0.5 * size_kib and after < 0.01 * size_kib, (peak, after, size_kib)
+    monkeypatch.setattr(mapped, "_madvise", None)
+    unswept, _, _, kept = read_like_a_compile()
+    assert unswept > 0.9 * size_kib and kept > 0.9 * size_kib
+
+
+HELD_WRITE = """
+import sys
+from kvc.export.mapped import HeldPages
+from kvc.ir.reader import map_weights
+weights = map_weights(sys.argv[1])
+with HeldPages(weights):
+    weights.data[4096] ^= 0xFF
+print("written")
+"""
+
+
+def test_held_weights_cannot_be_written_so_dropping_them_loses_nothing(tmp_path):
+    """The mapping is copy-on-write (OpenVINO shares only a writable buffer); a page written in
+    it would be private, and dropping it would silently undo the write. HeldPages makes it
+    read-only first, so a write faults instead (in a child: the fault kills the process)."""
+    path, _ = _random_weights(tmp_path, 1)
+    proc = subprocess.run([sys.executable, "-c", HELD_WRITE, str(path)], capture_output=True, text=True)
+    assert proc.returncode == -11 and "written" not in proc.stdout, (proc.returncode, proc.stderr[-500:])
+
+
+def test_until_idle_waits_for_the_plugins_other_threads(tmp_path):
+    """NPUW copies the weights into its bank on a thread of its own after compile_model returns,
+    and export_model waits for it holding the GIL (no sweep runs then): HeldPages.until_idle
+    returns once the process's other threads stop using the CPU, at once when they are idle."""
+    import threading
+
+    from kvc.export.mapped import HeldPages
+    from kvc.ir.reader import map_weights
+
+    path, _ = _random_weights(tmp_path, 1)
+    pages = HeldPages(map_weights(path))
+
+    def busy(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    worker = threading.Thread(target=busy, args=(0.6,))
+    started = time.monotonic()
+    worker.start()
+    pages.until_idle()
+    waited = time.monotonic() - started
+    worker.join()
+    started = time.monotonic()
+    pages.until_idle()
+    idle = time.monotonic() - started
+    assert waited > 0.4 and idle < 0.3, (waited, idle)
+
+
 def test_background_hashes_rehash_a_file_changed_after_its_hash_started(tmp_path):
     """The manifest's hashes are taken while the compile goes on; a file rewritten after its
     hash started must not be recorded with the old content's hash: rewritten in place with the
