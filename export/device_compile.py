@@ -127,7 +127,7 @@ def _compile_one(request: dict) -> dict:
     # The models' constants are read over one mapping kvc holds (under them while they compile),
     # whose pages are dropped as the compile reads them (export/mapped.py, HeldPages).
     mapped = map_weights(request["weights"])
-    with HeldPages(mapped) as pages:
+    with HeldPages(mapped, request["weights"]) as pages:
         if "branches" in request:  # one If over the models
             from kvc.export.branches import branch_model
 

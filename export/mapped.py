@@ -84,26 +84,32 @@ _madvise = _libc("madvise")
 _mprotect = _libc("mprotect")
 
 
-def shared_readonly_mappings(path: str | Path) -> set[tuple[int, int]]:
-    """The (start, end) address ranges where this process maps `path` read-only and shared."""
+def _mappings(path: str | Path) -> list[tuple[int, int, str]]:
+    """The (start, end, permissions) of each range where this process maps `path` (found by
+    path or by device and inode), from /proc/self/maps."""
     path = Path(path)
     try:
         st, real = path.stat(), os.path.realpath(path)
         with open("/proc/self/maps") as f:
             lines = f.read().splitlines()
     except OSError:
-        return set()
-    ranges = set()
+        return []
+    found = []
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or parts[1][:2] != "r-" or parts[1][3] != "s":
+        if len(parts) < 6:
             continue
         major, minor = (int(x, 16) for x in parts[3].split(":"))
         if parts[5].strip() != real and (int(parts[4]), os.makedev(major, minor)) != (st.st_ino, st.st_dev):
             continue
         start, end = (int(x, 16) for x in parts[0].split("-"))
-        ranges.add((start, end))
-    return ranges
+        found.append((start, end, parts[1]))
+    return found
+
+
+def shared_readonly_mappings(path: str | Path) -> set[tuple[int, int]]:
+    """The (start, end) address ranges where this process maps `path` read-only and shared."""
+    return {(start, end) for start, end, perms in _mappings(path) if perms[:2] == "r-" and perms[3] == "s"}
 
 
 @contextlib.contextmanager
@@ -155,25 +161,26 @@ class HeldPages:
       DONTNEED. Read-only, no page can be written (a write faults), so every page is the
       file's: dropped, it stays in the page cache and is faulted back with the same bytes.
 
-    Where the range cannot be made read-only (not Linux, an unaligned buffer), nothing is
-    dropped. `until_idle` lets NPUW's bank thread finish with the pages being dropped before
+    Nothing is dropped unless the tensor's memory is found in /proc/self/maps as exactly a
+    private mapping of `path` (not a copy OpenVINO made) and made read-only (Linux only).
+    `until_idle` lets NPUW's bank thread finish with the pages being dropped before
     export_model, which waits for it holding the GIL (so no sweep could run)."""
 
     IDLE_WINDOW = 0.025  # seconds; idle when the other threads used under a tenth of a core
     IDLE_LIMIT = 120.0
 
-    def __init__(self, mapped) -> None:
+    def __init__(self, mapped, path: str | Path) -> None:
         self._range = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         if mapped is None or _madvise is None or _mprotect is None:
             return
         address, size = mapped.data.ctypes.data, mapped.data.nbytes
-        pagesize = os.sysconf("SC_PAGESIZE")
-        if address % pagesize == 0 and size > 0:
-            length = -(-size // pagesize) * pagesize
-            if _mprotect(address, length, _PROT_READ) == 0:
-                self._range = (address, length)
+        length = -(-size // os.sysconf("SC_PAGESIZE")) * os.sysconf("SC_PAGESIZE")
+        private = any(start == address and end == address + length and perms[3] == "p"
+                      for start, end, perms in _mappings(path))
+        if private and size > 0 and _mprotect(address, length, _PROT_READ) == 0:
+            self._range = (address, length)
 
     def drop(self) -> None:
         if self._range is not None:

@@ -671,7 +671,7 @@ def test_a_device_compile_drops_the_weights_pages_it_has_read_and_keeps_their_by
         start = view.ctypes.data
         ranges = {(start, start + -(-view.nbytes // page) * page)}
         peak, sums = 0, []
-        with mapped.HeldPages(weights):
+        with mapped.HeldPages(weights, path):
             for i in range(16):
                 sums.append(int(view[i << 22:(i + 1) << 22][::page].sum(dtype=np.int64)))
                 time.sleep(3 * mapped.SWEEP_SECONDS / 4)
@@ -692,7 +692,7 @@ import sys
 from kvc.export.mapped import HeldPages
 from kvc.ir.reader import map_weights
 weights = map_weights(sys.argv[1])
-with HeldPages(weights):
+with HeldPages(weights, sys.argv[1]):
     weights.data[4096] ^= 0xFF
 print("written")
 """
@@ -707,6 +707,30 @@ def test_held_weights_cannot_be_written_so_dropping_them_loses_nothing(tmp_path)
     assert proc.returncode == -11 and "written" not in proc.stdout, (proc.returncode, proc.stderr[-500:])
 
 
+def test_memory_that_is_not_the_weights_files_mapping_is_never_dropped(tmp_path):
+    """Dropping pages is lossless only on the file's own mapping: a buffer OpenVINO copied the
+    weights into (anonymous memory, page-aligned like a mapping) would lose its contents. Such a
+    tensor is left alone, and stays writable."""
+    import mmap
+
+    import openvino as ov
+
+    from kvc.export.mapped import HeldPages
+
+    path, data = _random_weights(tmp_path, 1)
+    anonymous = mmap.mmap(-1, data.size)
+    copy = np.frombuffer(anonymous, np.uint8)
+    copy[:] = data
+    tensor = ov.Tensor(copy, shared_memory=True)
+    assert tensor.data.ctypes.data % mmap.PAGESIZE == 0
+    with HeldPages(tensor, path) as pages:
+        pages.drop()
+        time.sleep(0.1)
+    np.testing.assert_array_equal(copy, data)
+    copy[0] ^= 0xFF  # still writable
+    del copy, tensor
+
+
 def test_until_idle_waits_for_the_plugins_other_threads(tmp_path):
     """NPUW copies the weights into its bank on a thread of its own after compile_model returns,
     and export_model waits for it holding the GIL (no sweep runs then): HeldPages.until_idle
@@ -717,7 +741,7 @@ def test_until_idle_waits_for_the_plugins_other_threads(tmp_path):
     from kvc.ir.reader import map_weights
 
     path, _ = _random_weights(tmp_path, 1)
-    pages = HeldPages(map_weights(path))
+    pages = HeldPages(map_weights(path), path)
 
     def busy(seconds: float) -> None:
         end = time.monotonic() + seconds
