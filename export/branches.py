@@ -167,13 +167,13 @@ def _if(selector: str, then_model: ov.Model, else_model: ov.Model) -> ov.Model:
     node = ops.if_op(select.output(0))
     node.set_then_body(then_model)
     node.set_else_body(else_model)
-    bodies = (then_model, else_model)
-    indices = [{p.output(0).get_any_name(): i for i, p in enumerate(body.get_parameters())} for body in bodies]
+    params = [then_model.get_parameters(), else_model.get_parameters()]
+    indices = [{p.output(0).get_any_name(): i for i, p in enumerate(ps)} for ps in params]
     outer = {selector: select}
     described: tuple[list, list] = ([], [])
     for name in dict.fromkeys([*indices[0], *indices[1]]):
-        body, index = (0, indices[0][name]) if name in indices[0] else (1, indices[1][name])
-        param = bodies[body].get_parameters()[index]
+        body = 0 if name in indices[0] else 1
+        param = params[body][indices[body][name]]
         outer[name] = ops.parameter(param.get_partial_shape(), param.get_element_type(), name=name)
         outer[name].output(0).set_names({name})
         for b in (0, 1):

@@ -176,7 +176,8 @@ class HeldPages:
         if mapped is None or _madvise is None or _mprotect is None:
             return
         address, size = mapped.data.ctypes.data, mapped.data.nbytes
-        length = -(-size // os.sysconf("SC_PAGESIZE")) * os.sysconf("SC_PAGESIZE")
+        page = os.sysconf("SC_PAGESIZE")
+        length = -(-size // page) * page
         private = any(start == address and end == address + length and perms[3] == "p"
                       for start, end, perms in _mappings(path))
         if private and size > 0 and _mprotect(address, length, _PROT_READ) == 0:

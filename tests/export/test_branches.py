@@ -79,6 +79,24 @@ def test_inputs_both_models_have_alike_keep_their_names_and_the_rest_are_prefixe
                        "position_ids": "position_ids", "past_key_values.0.key": "prefill-32.past_key_values.0.key"}}
 
 
+def test_an_if_over_bodies_with_different_results_is_refused():
+    """An If's bodies give its outputs one by one; bodies with a different number of results
+    are refused rather than cut to the shorter (branch_model pads them alike beforehand)."""
+    import openvino as ov
+    from openvino import opset8 as ops
+
+    from kvc.export.branches import _if
+
+    def body(results: int) -> ov.Model:
+        x = ops.parameter([2], ov.Type.f32, name="x")
+        x.output(0).set_names({"x"})
+        return ov.Model([ops.result(ops.relu(x)) for _ in range(results)], [x], f"r{results}")
+
+    assert len(_if("kvc.select.0.a", body(2), body(2)).outputs) == 2
+    with pytest.raises(ValueError, match="an If's bodies have 2 and 1 results"):
+        _if("kvc.select.0.a", body(2), body(1))
+
+
 def test_the_group_is_one_blob_named_in_every_entry(paired):
     models = read_manifest(paired)["models"]
     for name in GROUP:
