@@ -92,18 +92,22 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # worst-case TTFT of one size over prompts of 16 to 1000 tokens, bench/ttft.py: 1.82x; 16:
 # 2.25x, 64: 3.11x) and a bulk chunk of 512 for long prompts (512 tokens 1.69x -> 0.92x, 1000
 # 1.48x -> 0.85x). At bf16 a chunk of 16 (a short prompt is one 16-row call), a bulk chunk of
-# 128, and a first chunk of 128 (CPU_FIRST): a 128-row call over a past reads all P slots, so
+# 128, and first chunks of 16 and 128 (CPU_FIRST): a 128-row call over a past reads all P slots, so
 # a 100-token prompt's one call cost 167 ms on a compute-bound host (AVX512_BF16, no AMX)
 # where the first-chunk model, reading the prompt alone, costs 138 (the stateful model 131).
 # The 512 bulk chunk it replaces saved nothing there (one 512-row call 650 ms, four 128-row
 # ones 640), and the chunk, bulk chunk and first chunk are one CPU blob with one packing of the
 # weights (export/branches.py): four models, two packings (opening held 1125 MB against 1508
-# with three, 1961 with four). First chunks of 32 and 64 too (24 / 40 / 64 tokens 1.96x / 1.90x /
-# 1.70x -> 1.24x / 1.50x / 1.01x, bench/ttft.py) cost the compile 6 s more (six probes where
-# three did) and the open 50 MB (1.52x the stateful model's peak): not the default yet. Bulk
-# and first chunks are dropped where P is not above them.
+# with three, 1961 with four). A first chunk of 16 too: a prompt of up to 16 tokens then reads
+# no past (the chunk model's 16 rows attend over P slots and the If copies its past in and out):
+# 7 / 16 tokens 1.92x / 1.38x -> 1.51x / 1.17x the stateful model (bench/ttft.py, one process),
+# the compile's probes the same two (a tie goes to the larger first chunk, so 265 tokens still
+# run first 128, the chunk and the bulk chunk), the open +26 MB (one more If body). First chunks
+# of 32 and 64 as well (24 / 40 / 64 tokens 1.96x / 1.90x / 1.70x -> 1.24x / 1.50x / 1.01x) cost
+# the compile 6 s more (six probes where three did) and the open 50 MB: not the default yet.
+# Bulk and first chunks are dropped where P is not above them.
 CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
-CPU_FIRST = {"bf16": (128,), "f16": (128,)}
+CPU_FIRST = {"bf16": (16, 128), "f16": (16, 128)}
 
 
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:

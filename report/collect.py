@@ -360,7 +360,8 @@ def _pictures(directory: Path, manifest: dict, plan, source, layer: int) -> list
                                              f"(kvc report OUT --source MODEL)"))
     specs = [s for s in plan.kv if s.layer == layer]
     names = model_order(manifest["models"])
-    for name in names[:2]:  # prefill and the smallest generate variant
+    smallest = next(n for n in names if model_kind(n)[0] == "generate")  # after the bulk and first chunks
+    for name in ("prefill", smallest):
         entry = manifest["models"][name]
         title = f"final {name} model (layer {layer})"
         try:

@@ -383,10 +383,12 @@ def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, 
     `[s, min(s + c, gap end))` over a past of P - c slots, so it must start at s <= P - c; a
     call of a first chunk F computes `[0, min(F, gap end))` over no past, so only a gap at 0
     takes one. Each gap takes the split with the least rows computed (padding included) plus
-    CALL_ROWS a call; a tie goes to a first chunk (it reads no past), then to the smaller
-    chunk first, so a bulk call reads the rows the smaller ones wrote. A gap whose start no
-    call can take (a restored history ending within the last chunk before P) starts at the
-    multiple of the smallest chunk below it instead, computing again the rows from there."""
+    CALL_ROWS a call; a tie goes to a first chunk, the larger first (it reads no past, and
+    leaves fewer rows to calls that do: 137 tokens run first 128 and a chunk of 16, not first
+    16 and a bulk 128 over a past), then to the smaller chunk first, so a bulk call reads the
+    rows the smaller ones wrote. A gap whose start no call can take (a restored history ending
+    within the last chunk before P) starts at the multiple of the smallest chunk below it
+    instead, computing again the rows from there."""
     begin = start
     for a, b in (*skip, (n, n)):
         if begin < a:
@@ -400,7 +402,7 @@ def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[
         cost, choice = {g1: 0}, {}
         for s in reversed(range(first, g1, C)):
             cost[s] = float("inf")
-            options = [(f, True) for f in firsts if s == 0] + [(c, False) for c in chunks if s <= P - c]
+            options = [(f, True) for f in reversed(firsts) if s == 0] + [(c, False) for c in chunks if s <= P - c]
             for c, opens in options:
                 end = min(s + c, g1)
                 if CALL_ROWS + c + cost[end] < cost[s]:

@@ -44,10 +44,10 @@ def test_compile_summary_and_outputs(compiled):
                                          (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "64"), 64)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 512 at f32; 16, a
-    bulk 128 and a first chunk of 128 at bf16; by default the host's own precision) when
+    bulk 128 and first chunks of 16 and 128 at bf16; by default the host's own precision) when
     compiling for CPU only, else the whole prompt at once, as NPUW does by default; an explicit
-    size always wins. Bulk and first chunks not below P are dropped (with a note): at P 128 all,
-    at P 1024 none."""
+    size always wins. Bulk and first chunks not below P are dropped (with a note): at P 128 all
+    but the first chunk of 16, at P 1024 none."""
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     if chunk == "host":
         chunk = 16 if host in ("bf16", "f16") else 32
@@ -55,19 +55,19 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
                  "--min-response-len", "64", "--no-verify", "--json", *args)
     lengths = json.loads(result.stdout)["plan"]["lengths"]
     assert lengths["prefill_chunk_size"] == chunk and lengths["prefill_bulk_chunks"] == []
-    assert lengths["prefill_first_chunks"] == []
     auto = "--prefill-chunk-size" not in args and "NPU" not in args
     dropped = "128" if chunk == 16 else "512"
     assert any(f"prefill bulk chunk {dropped} dropped" in a for a in lengths["adjustments"]) == auto
     precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
     first_auto = "NPU" not in args and chunk != 0 and precision in ("bf16", "f16")  # CPU_FIRST, chunked
     assert any("first prefill chunk 128 dropped" in a for a in lengths["adjustments"]) == first_auto
+    assert lengths["prefill_first_chunks"] == ([16] if first_auto and chunk == 16 else [])
     if auto and not args:
         result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
                      "--min-response-len", "64", "--no-verify", "--json")
         lengths = json.loads(result.stdout)["plan"]["lengths"]
         assert lengths["prefill_bulk_chunks"] == ([128] if chunk == 16 else [512])
-        assert lengths["prefill_first_chunks"] == ([128] if chunk == 16 else [])
+        assert lengths["prefill_first_chunks"] == ([16, 128] if chunk == 16 else [])
 
 
 @pytest.mark.parametrize("args, kv, attention", [
@@ -91,13 +91,14 @@ def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, a
     pipelines = {name: m["pipeline"] for name, m in manifest["models"].items()}
     assert all(("split_past=true" in text) == (attention == "fold" and name.startswith("generate-"))
                for name, text in pipelines.items())
-    assert all(("fold=true" in text) == (attention == "fold" and name.startswith("prefill"))
+    assert all(("fold=true" in text) == (attention == "fold" and name.startswith(("prefill", "first")))
                for name, text in pipelines.items())
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
     rows = "NPU" not in args and precision == "bf16"
     assert manifest["plan"]["options"]["prefill_mlp"] == ("rows" if rows else "as-is")
-    assert all(("mlp-rows" in text) == (rows and name.startswith("prefill")) for name, text in pipelines.items())
+    assert all(("mlp-rows" in text) == (rows and name.startswith(("prefill", "first")))
+               for name, text in pipelines.items())
 
 
 def test_bulk_prefill_chunks_compile_verify_and_run(tmp_path):
@@ -143,7 +144,9 @@ def test_compile_default_model_is_the_bundled_one(tmp_path):
 def test_compile_prints_ir_after_change(tmp_path):
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", *SMALL, "--no-verify",
                  "--print-ir-after", "lower-kvcache", "--print-ir-after-change")
-    assert result.output.count("IR Dump After lower-kvcache: unchanged") == 2  # prefill and generate-128
+    models = json.loads((tmp_path / "o" / "manifest.json").read_text())["models"]
+    assert {"prefill", "generate-128"} <= set(models)  # and first-16 where the CPU computes at bf16
+    assert result.output.count("IR Dump After lower-kvcache: unchanged") == len(models)
 
 
 def test_compile_errors(tmp_path, compiled):
@@ -492,7 +495,9 @@ def test_diff_dump_and_compiled_directories_step_by_step(tmp_path):
     assert "prefill/003-unmask-pad-rows.txt: identical" in out  # the steps before kv-io are the same
     assert re.search(r"prefill/004-kv-io.txt: \d+ lines differ \(ops .*Round \+4", out)
     data = json.loads(kvc("diff", a, b, "--json").output)
-    assert data["kind"] == "compiled" and {p["name"] for p in data["pairs"]} == {"prefill", "generate-128"}
+    models = set(json.loads((a / "manifest.json").read_text())["models"])
+    assert {"prefill", "generate-128"} <= models  # and first-16 where the CPU computes at bf16
+    assert data["kind"] == "compiled" and {p["name"] for p in data["pairs"]} == models
     assert not any(p["identical"] for p in data["pairs"]) and any("kv_precision" in h for h in data["header"])
     plain = kvc("diff", a, b).output
     assert "\x1b[" not in plain and "+++ " in plain  # not a terminal: no colour by default

@@ -525,7 +525,7 @@ def build(tmp: Path) -> list[Case]:
             Run("verify", cv, INVALID, ("file-changed",))]),
         ("compiled-blob-corrupt-same-size", "prefill blob overwritten by random bytes of the same size", [
             Run("run", cd, DEVICE, ("prefill",)),
-            Run("run-check", cd + ["--check"], INVALID, ("prefill.CPU.blob", "sha256"))]),
+            Run("run-check", cd + ["--check"], INVALID, ("prefill", "CPU.blob", "sha256"))]),
         ("compiled-manifest-dotdot", "manifest naming ../outside.bin as its weights", [
             Run("run", cd, INVALID, ("manifest.json", "outside")),
             Run("verify", cv, INVALID, ("manifest.json", "outside")),
@@ -587,12 +587,12 @@ def prepare_compiled(case: Case, good: Path) -> None:
     elif n == "compiled-manifest-hash-edited":
         m["files"]["weights.bin"]["sha256"] = "0" * 64
     elif n == "compiled-blob-swapped":
-        a, b = d / "prefill.CPU.blob", next(d.glob("generate-*.CPU.blob"))
+        a, b = d / m["models"]["prefill"]["blobs"]["CPU"]["file"], next(d.glob("generate-*.CPU.blob"))
         ta = a.read_bytes()
         a.write_bytes(b.read_bytes())
         b.write_bytes(ta)
     elif n == "compiled-blob-corrupt-same-size":
-        a = d / "prefill.CPU.blob"
+        a = d / m["models"]["prefill"]["blobs"]["CPU"]["file"]  # with first-16's on a bf16 host
         a.write_bytes(random.Random(3).randbytes(a.stat().st_size))
     elif n == "compiled-manifest-dotdot":
         (d.parent / "outside.bin").write_bytes((d / "weights.bin").read_bytes())

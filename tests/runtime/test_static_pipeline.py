@@ -161,6 +161,20 @@ def test_prefill_calls_are_the_cheapest_valid_split():
     assert calls[0] == (0, 20, 32, True) and calls[1].begin == 40 and not any(c.first for c in calls[1:])
 
 
+def test_a_tie_goes_to_the_larger_first_chunk():
+    """With first chunks of 16 and 128 (the CPU's bf16 default) a prompt of 128 + 9 tokens
+    costs the same as first 128 and a chunk of 16 or as first 16 and a bulk 128: the larger
+    first chunk takes it, so the call over a past is the 16-row one, and the compile's long
+    probe (265 tokens) runs first 128, the chunk and the bulk chunk over a past in one prompt."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    calls = [(c.size, c.first) for c in prefill_calls(0, 137, (), 1024, (16, 128), (16, 128))]
+    assert calls == [(128, True), (16, False)]
+    runs = {(c.size, c.first, c.begin > 0) for c in prefill_calls(0, 265, (), 1024, (16, 128), (16, 128))}
+    assert runs == {(128, True, False), (16, False, True), (128, False, True)}
+    assert [(c.size, c.first) for c in prefill_calls(0, 7, (), 1024, (16, 128), (16, 128))] == [(16, True)]
+
+
 def test_a_calls_fixed_cost_follows_the_host(tmp_path, monkeypatch):
     """CALL_ROWS is 64 with AMX (a call's pass over the weights worth 51 rows there) and 16
     without (a compute-bound prefill: about 10): a 40-token prompt with chunks 16 + 128 and a
