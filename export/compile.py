@@ -546,7 +546,7 @@ def reference_session(model_path: Path):
     from kvc.runtime.session import OpenVINOSession
 
     weights = resolve(model_path).weights
-    with pages_released(weights, sweep=False) if weights is not None else contextlib.nullcontext():
+    with pages_released(weights, sweep="none") if weights is not None else contextlib.nullcontext():
         return OpenVINOSession(load(model_path), "CPU")
 
 

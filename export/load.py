@@ -31,11 +31,11 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
-             sweep: bool = False, mapped: ov.Tensor | None = None, imports: _Imports | None = None) -> Session:
-    """One model's session; `sweep`: page out weights.bin as a blob import reads it (an open's
-    imports after its first: export/mapped.py); `mapped`: weights.bin as `map_weights` mapped
-    it, shared by the models read from their IR; `imports`: the blobs this open imported (an
-    If blob, export/branches.py, serves two models)."""
+             sweep: str = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None) -> Session:
+    """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
+    (`pages_released`: an open's first import "behind", the others "all"); `mapped`: weights.bin
+    as `map_weights` mapped it, shared by the models read from their IR; `imports`: the blobs
+    this open imported (an If blob, export/branches.py, serves two models)."""
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
     device = _DEVICE.get(backend)
@@ -79,7 +79,7 @@ class _Imports:
         self.directory, self.manifest, self.device = directory, manifest, device
         self._held: dict[str, _Held] = {}  # by file
 
-    def acquire(self, name: str, sweep: bool) -> ov.CompiledModel:
+    def acquire(self, name: str, sweep: str) -> ov.CompiledModel:
         blob = self.manifest["models"][name]["blobs"][self.device]
         held = self._held.get(blob["file"])
         if held is None:
@@ -101,7 +101,7 @@ class _Imports:
         if held.holders == 0:
             del self._held[file]
 
-    def _import(self, name: str, blob: dict, sweep: bool) -> ov.CompiledModel:
+    def _import(self, name: str, blob: dict, sweep: str) -> ov.CompiledModel:
         directory, device = self.directory, self.device
         check_blob_version(self.manifest, directory)
         config = dict(blob["import_config"])
@@ -205,11 +205,12 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     imports = _Imports(directory, manifest, device)
 
     def session(name: str):
-        # The first import leaves weights.bin in the page cache for the others, which are swept.
-        # A lazy open (the compile's blob check) holds the prefill blobs alone, then the generate
-        # ones, and is not swept: each swept import would read the file from disk again (the
-        # 250M Llama's compile 18.8 -> 16.1 s; its peak 1818 -> 2219 MB, NPUW_LLM's 2641).
-        sweep = bool(made) and not lazy
+        # The first import is swept behind its packing, which it begins once it has read the
+        # whole file (export/mapped.py); the others are swept from the start. A lazy open (the
+        # compile's blob check) holds the prefill blobs alone, then the generate ones, and is not
+        # swept: each swept import would read the file from disk again (the 250M Llama's compile
+        # 18.8 -> 16.1 s; its peak 1818 -> 2219 MB, NPUW_LLM's 2641).
+        sweep = "none" if lazy else "all" if made else "behind"
         made.append(name)
         make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports)
         if lazy:
@@ -219,9 +220,9 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
             return LazySession(make, dtypes, backend, functools.partial(imports.release, name) if imported else None)
         return make()
 
-    # Imported in this order, the sweep skipping the first: an If blob (its import reads the
-    # weights once per body: 0.6 s from the page cache, 2.5 s swept), then the generate models,
-    # the prefill, the bulk and the first chunks.
+    # Imported in this order: an If blob first (its import reads the weights once per body before
+    # it packs: swept from the start, 3.5-4.5 s against 1.0-1.4; behind its packing, no slower),
+    # then the generate models, the prefill, the bulk and the first chunks.
     kinds = {name: model_kind(name) for name in manifest["models"]}
     rank = {"generate": 0, "prefill": 1, "first": 2}
     order = sorted(kinds, key=lambda n: ("branches" not in manifest["models"][n]["blobs"].get(device, {}),

@@ -8,22 +8,37 @@ keeps the whole file resident in the process: a 250M model's prefill and generat
 against 1.6 GB for the stateful model).
 
 While an import runs, a thread of kvc's asks the kernel every 50 ms to page out what the import
-has read so far of its new mappings (``madvise(MADV_PAGEOUT)``): the plugin reads each constant
-once to pack it, so the file is never resident whole. Paging out also evicts the file's pages
-from the page cache (no other mapping holds them), so an import that follows would read the file
-from disk again: an open sweeps every import but its first, which reads the file into the page
-cache for the others and peaks lower than an unswept second import would (the first model's
-packed weights are not resident yet). Measured on the 250M bench model, alternating fresh
-processes: opening peaked at 2473 MB without the sweep (1.57x the stateful model's
-compile_model: the second import held all 938 MB of weights.bin beside the first model's packed
-weights) and 1757 MB with it (1.12x), the same held RSS (1541 MB) and tokens. Its price: 0.45 s
-more to open from a warm page cache (1.73-1.86 s against 1.27-1.32), and the file is out of the
-page cache afterwards, so the next open reads it from disk (2.4-3.5 s in a row on the VM's
-600 MB/s disk; posix_fadvise WILLNEED does not refill it there); sweeping the first import too
-cost 0.7-0.9 s more. The trade is taken for the memory: a second copy of the weights file at
-every open is what runs a small machine out of memory. Not for `kvc compile`'s blob check, which
-imports lazily (one prefill blob and the If blob at most together, then the generate blobs)
-and stays below NPUW_LLM's compile without it (export/load.py, `pipeline_from`).
+has read so far of its new mappings (``madvise(MADV_PAGEOUT)``, `sweep="all"`): the plugin reads
+each constant to pack it, so the file is never resident whole. Paging out also evicts the
+file's pages from the page cache (no other mapping holds them), so a read that follows reads
+the file from disk again. Measured on the 250M bench model, alternating fresh processes:
+opening peaked at 2473 MB without the sweep (1.57x the stateful model's compile_model: the
+second import held all 938 MB of weights.bin beside the first model's packed weights) and
+1757 MB with it (1.12x), the same held RSS (1541 MB) and tokens. Its price: 0.45 s more to open
+from a warm page cache (1.73-1.86 s against 1.27-1.32), and the file is out of the page cache
+afterwards, so the next open reads it from disk (2.4-3.5 s in a row on the VM's 600 MB/s disk;
+posix_fadvise WILLNEED does not refill it there). The trade is taken for the memory: a second
+copy of the weights file at every open is what runs a small machine out of memory.
+
+An open's first import is swept behind its packing (`sweep="behind"`). OpenVINO 2026.4.1's CPU
+plugin first scans every f32 constant of every body of the model (for subnormals, and at bf16
+for values a bf16 cannot hold: `Input::cloneBlobIfRequired`), reading the whole file before it
+packs anything, then packs the constants in graph order, which is the file's order (kvc writes
+weights.bin in first-use order, ir/bundle.py). Paged out from the start, the first import would
+read the file from disk once per body's scan and again to pack (the bench model's If blob of
+four bodies: 3.5-4.5 s against 1.0-1.4); never paged out, the whole file stays resident until
+the packing ends (the open's peak: 1630 MB, 1.56x the stateful model's compile_model). So the
+sweep waits for the packing and then pages out the first G - BEHIND_MARGIN bytes of each new
+mapping, G being how much the process's anonymous memory has grown since the import began: a
+packed byte costs at least one anonymous byte at f32 and at half a byte at bf16 (the packed
+copy), so the page-out stays behind the packing and nothing is read from disk twice; the
+margin absorbs the import's other allocations. Measured on the bench model (four-body If blob,
+then the generate blob swept from the start), alternating fresh processes: peak 1630 ->
+1190-1240 MB, open 2.23-2.58 -> 2.47-2.60 s, the same held RSS and tokens. Were the packing
+order or the estimate wrong, pages would be read from disk again or stay resident longer: time
+or memory, never data. Not for `kvc compile`'s blob check, which imports lazily (one prefill
+blob and the If blob at most together, then the generate blobs) and stays below NPUW_LLM's
+compile without it (export/load.py, `pipeline_from`).
 
 MADV_PAGEOUT never loses data, whatever the range holds by the time the call lands: clean file
 pages are dropped and read again from the file when touched, dirty or anonymous pages are written
@@ -67,6 +82,8 @@ _MADV_DONTNEED = 4
 _PROT_READ = 1
 _MADV_PAGEOUT = 21  # Linux 5.4; an older kernel answers EINVAL and the sweep does nothing
 SWEEP_SECONDS = 0.05
+BEHIND_MARGIN = 64 << 20  # bytes the "behind" sweep keeps between its page-out and the packing
+SWEEPS = ("all", "behind", "none")
 
 
 def _libc(name: str):
@@ -112,23 +129,38 @@ def shared_readonly_mappings(path: str | Path) -> set[tuple[int, int]]:
     return {(start, end) for start, end, perms in _mappings(path) if perms[:2] == "r-" and perms[3] == "s"}
 
 
+def anonymous_bytes() -> int:
+    """This process's resident anonymous memory (RssAnon), 0 where /proc says nothing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:")), 0)
+    except OSError:
+        return 0
+
+
 @contextlib.contextmanager
-def pages_released(path: str | Path, *, sweep: bool = True):
-    """Run the block (an import that maps `path`), with `sweep` paging out what it has read of
-    the new read-only shared mappings of `path` as it goes, then drop the pages they still hold:
-    the rules are in the module's docstring."""
+def pages_released(path: str | Path, *, sweep: str = "all"):
+    """Run the block (an import that maps `path`), paging out, as `sweep` says, what it reads of
+    the new read-only shared mappings of `path`: "all" of it as it goes, "behind" only what its
+    packing has passed, "none"; then drop the pages they still hold. The rules are in the
+    module's docstring."""
+    if sweep not in SWEEPS:
+        raise ValueError(f"sweep must be one of {SWEEPS}, not {sweep!r}")
     before = shared_readonly_mappings(path) if _madvise is not None else None
     if before is None:
         yield
         return
-    done = threading.Event()
+    done, grown_from, page = threading.Event(), anonymous_bytes(), os.sysconf("SC_PAGESIZE")
 
     def page_out() -> None:
         while not done.wait(SWEEP_SECONDS):
+            behind = (anonymous_bytes() - grown_from - BEHIND_MARGIN) // page * page if sweep == "behind" else None
+            if behind is not None and behind <= 0:
+                continue
             for start, end in shared_readonly_mappings(path) - before:
-                _madvise(start, end - start, _MADV_PAGEOUT)
+                _madvise(start, end - start if behind is None else min(behind, end - start), _MADV_PAGEOUT)
 
-    sweeper = threading.Thread(target=page_out, name="kvc-pageout", daemon=True) if sweep else None
+    sweeper = threading.Thread(target=page_out, name="kvc-pageout", daemon=True) if sweep != "none" else None
     if sweeper is not None:
         sweeper.start()
     try:

@@ -569,10 +569,11 @@ def test_opened_cpu_blobs_leave_weights_file_pages_to_the_page_cache(compiled, m
     np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
 
 
-def test_an_open_pages_out_weights_file_during_every_import_but_its_first(compiled, monkeypatch):
-    """The first import reads weights.bin into the page cache for the others and is not swept
-    (paging out evicts the file: the next import would read it from disk again, +0.8 s on the
-    bench model); every later import, when packed weights are already resident, is."""
+def test_an_open_pages_out_weights_file_behind_its_first_import_and_during_every_other(compiled, monkeypatch):
+    """The first import reads weights.bin whole before it packs and is swept behind its packing
+    (swept from the start, it would read the file from disk once per If body and again to
+    pack); every later import, when packed weights are already resident, is swept from the
+    start."""
     import contextlib
 
     import kvc.export.load as load
@@ -581,21 +582,21 @@ def test_an_open_pages_out_weights_file_during_every_import_but_its_first(compil
     real = load.pages_released
 
     @contextlib.contextmanager
-    def recorded(path, *, sweep=True):
+    def recorded(path, *, sweep="all"):
         sweeps.append(sweep)
         with real(path, sweep=sweep):
             yield
 
     monkeypatch.setattr(load, "pages_released", recorded)
     pipe = open_compiled(compiled, "openvino")
-    assert sweeps == [False] + [True] * len(pipe.generate_sessions)  # generate variants, then the prefill
+    assert sweeps == ["behind"] + ["all"] * len(pipe.generate_sessions)  # generate variants, then the prefill
     prompt = fixtures.goldens("llama")["prompts"][2]
     assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"]
     # The compile's blob check opens lazily, holding few blobs at once: never swept.
     sweeps.clear()
     lazy = load.pipeline_from(compiled, load.read_manifest(compiled), "openvino", lazy=True)
     assert lazy.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"]
-    assert sweeps and not any(sweeps)  # the prefill and the generate variants it ran
+    assert sweeps and set(sweeps) == {"none"}  # the prefill and the generate variants it ran
 
 
 def test_an_import_in_progress_never_holds_the_whole_weights_file(tmp_path, monkeypatch):
@@ -644,6 +645,84 @@ def test_an_import_in_progress_never_holds_the_whole_weights_file(tmp_path, monk
     with mapped.pages_released(path):
         unswept, _, _ = read_like_an_import()
     assert unswept > 0.9 * size_kib
+
+
+def _in_page_cache(address: int, length: int) -> np.ndarray:
+    """Which pages of [address, address + length) are in memory (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    vec = np.zeros(-(-length // mmap.PAGESIZE), np.uint8)
+    assert libc.mincore(address, length, vec.ctypes.data) == 0, ctypes.get_errno()
+    return vec & 1 == 1
+
+
+def test_an_opens_first_import_pages_out_only_what_its_packing_has_passed(tmp_path, monkeypatch):
+    """An open's first import reads the whole weights file (the CPU plugin scans every
+    constant) before it packs, then packs in the file's order: swept "behind", nothing is paged
+    out while it only reads, nor a page its packing has yet to read (that page would be read
+    from disk again), and what the packing has passed (its anonymous memory's growth, less the
+    margin) is paged out as it goes. Swept from the start, the scan's pages are gone before the
+    packing reads them; never swept, the whole file stays resident to the end."""
+    import mmap
+
+    import kvc.export.mapped as mapped
+
+    monkeypatch.setattr(mapped, "BEHIND_MARGIN", 8 << 20)
+    data = np.random.default_rng(2).integers(0, 256, 64 << 20, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    page, piece, size_kib = mmap.PAGESIZE, 4 << 20, data.size // 1024
+
+    def scan_then_pack() -> tuple[int, int, int, list[int]]:
+        """Read the file whole, wait three sweeps, then 'pack' it: 16 pieces in order, each
+        read and answered with as much touched anonymous memory. Returns the mapping's resident
+        KiB after the scan and at the end, the fewest not-yet-packed bytes found still in
+        memory (of those that should be), and each piece's sum as read."""
+        packed, sums, ahead_missing = [], [], 0
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = np.frombuffer(mm, np.uint8)
+            (start, _), = mapped.shared_readonly_mappings(path)
+            ranges = {(start, start + len(mm))}
+            view[::page].sum(dtype=np.int64)
+            time.sleep(3 * mapped.SWEEP_SECONDS)
+            after_scan = _resident_kib(path, ranges)
+            for i in range(16):
+                ahead = _in_page_cache(start + i * piece, len(mm) - i * piece)
+                ahead_missing += int((~ahead).sum())
+                sums.append(int(view[i * piece:(i + 1) * piece][::page].sum(dtype=np.int64)))
+                packed.append(np.ones(piece, np.uint8))
+                time.sleep(3 * mapped.SWEEP_SECONDS / 4)
+            time.sleep(3 * mapped.SWEEP_SECONDS)
+            at_end = _resident_kib(path, ranges)
+            del view
+        return after_scan, at_end, ahead_missing, sums
+
+    expected = [int(data[i * piece:(i + 1) * piece][::page].sum(dtype=np.int64)) for i in range(16)]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), page, access=mmap.ACCESS_READ):
+        if mapped._madvise is None or mapped._madvise(mapped.shared_readonly_mappings(path).pop()[0], page,
+                                                       mapped._MADV_PAGEOUT) != 0:
+            pytest.skip("this kernel has no MADV_PAGEOUT (Linux 5.4): kvc keeps the pages until the import ends")
+    with mapped.pages_released(path, sweep="behind"):
+        after_scan, at_end, ahead_missing, sums = scan_then_pack()
+    assert sums == expected
+    assert after_scan > 0.9 * size_kib, "nothing is paged out before the packing begins"
+    assert ahead_missing == 0, f"{ahead_missing} pages the packing had yet to read were paged out"
+    assert at_end < 0.3 * size_kib, f"{at_end} KiB of {size_kib} still resident after the packing"
+    with mapped.pages_released(path, sweep="all"):
+        after_scan, _, ahead_missing, sums = scan_then_pack()
+    assert sums == expected and after_scan < 0.5 * size_kib and ahead_missing > 0
+    with mapped.pages_released(path, sweep="none"):
+        _, at_end, _, sums = scan_then_pack()
+    assert sums == expected and at_end > 0.9 * size_kib
+    with pytest.raises(ValueError, match="sweep must be one of"):
+        with mapped.pages_released(path, sweep=True):
+            pass
 
 
 def _random_weights(tmp_path, mib: int = 64):
