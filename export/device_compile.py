@@ -179,8 +179,8 @@ def _serve(inherited_sigint=signal.SIG_DFL) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     child_sigint = signal.SIG_IGN if inherited_sigint == signal.SIG_IGN else signal.SIG_DFL
-    for line in sys.stdin:
-        request = json.loads(line)
+    requests = _Requests()
+    for request in requests:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: never returns into this loop
@@ -194,7 +194,7 @@ def _serve(inherited_sigint=signal.SIG_DFL) -> None:
             finally:
                 os._exit(status)
         os.close(write)
-        text = _await_child(read, pid)
+        text = _await_child(read, pid, requests)
         replies.write(text + "\n")
         replies.flush()
 
@@ -217,24 +217,50 @@ def _child(request: dict, write: int) -> int:
     return 0
 
 
-def _await_child(read: int, pid: int) -> str:
+class _Requests:
+    """The server's input, one JSON request per line, read from fd 0 past Python's buffering,
+    so that what select() finds readable there is what this has not read yet: a request that
+    arrives while a child compiles waits its turn, and only the end of the input means kvc
+    stopped."""
+
+    def __init__(self, fd: int = 0) -> None:
+        self.fd, self.ended, self._buffer = fd, False, b""
+
+    def read_some(self) -> None:
+        data = os.read(self.fd, 1 << 16)
+        self._buffer += data
+        self.ended = not data
+
+    def __iter__(self):
+        while True:
+            while b"\n" not in self._buffer and not self.ended:
+                self.read_some()
+            if b"\n" not in self._buffer:
+                return  # the input ended (kvc ends every request with a newline)
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            yield json.loads(line)
+
+
+def _await_child(read: int, pid: int, requests: _Requests) -> str:
     """The child's reply, or why it gave none; a child still compiling when the server's input
-    closes (kvc stopped) is killed."""
+    ends (kvc stopped) is killed. Requests arriving meanwhile are kept for later."""
     import select
 
     chunks = []
     while True:
-        ready, _, _ = select.select([read, sys.stdin], [], [])
+        ready, _, _ = select.select([read, requests.fd], [], [])
+        if requests.fd in ready:
+            requests.read_some()
+            if requests.ended:  # nothing more may come from kvc: it stopped
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(read)
+                sys.exit(0)
         if read in ready:
             data = os.read(read, 1 << 16)
             if not data:
                 break
             chunks.append(data)
-        elif sys.stdin in ready:  # nothing more may come from kvc: it stopped
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read)
-            sys.exit(0)
     os.close(read)
     _, status = os.waitpid(pid, 0)
     text = b"".join(chunks).decode()

@@ -128,3 +128,42 @@ with d.DeviceCompiler() as c:
             break
         time.sleep(0.05)
     assert not alive, "the server and its compiling child died with kvc"
+
+
+def test_a_request_arriving_while_a_child_compiles_waits_its_turn(tmp_path):
+    """The server reads its input past Python's buffering: a second request written while the
+    first compiles is answered after it (the server once took any input then for kvc having
+    stopped, and killed the child); the input's end while a child compiles still stops both."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    server_code = ("import sys, time; sys.path[:1] = []; import kvc.export.device_compile as d; "
+                   "from pathlib import Path; "
+                   "d._compile_one = lambda r: (Path(r['blob']).write_text('started'), time.sleep(float(r['xml'])), "
+                   "{'bytes': 0, 'import_config': {'name': r['name']}})[2]; d._serve()")
+    server = subprocess.Popen([sys.executable, "-c", server_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+
+    def send(name: str, seconds: float) -> Path:
+        marker = tmp_path / name
+        server.stdin.write(json.dumps({"name": name, "xml": str(seconds), "blob": str(marker)}) + "\n")
+        server.stdin.flush()
+        for _ in range(600):
+            if marker.exists():
+                return marker
+            time.sleep(0.05)
+        raise AssertionError(f"{name} never started compiling")
+
+    try:
+        send("first", 1.0)
+        server.stdin.write(json.dumps({"name": "second", "xml": "0", "blob": str(tmp_path / "second")}) + "\n")
+        server.stdin.flush()  # while the first compiles
+        replies = [json.loads(server.stdout.readline()) for _ in range(2)]
+        assert [r["result"]["import_config"]["name"] for r in replies] == ["first", "second"]
+        send("third", 60.0)
+        server.stdin.close()
+        assert server.wait(timeout=20) == 0, "the input's end stops the server and its compiling child"
+    finally:
+        server.kill()
