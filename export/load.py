@@ -221,8 +221,8 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         return make()
 
     # Imported in this order: an If blob first (its import reads the weights once per body before
-    # it packs: swept from the start, 3.5-4.5 s against 1.0-1.4; behind its packing, no slower),
-    # then the generate models, the prefill, the bulk and the first chunks.
+    # it packs: swept from the start, 3.5-4.5 s against 1.0-1.4; swept behind its packing, no
+    # slower itself), then the generate models, the prefill, the bulk and the first chunks.
     kinds = {name: model_kind(name) for name in manifest["models"]}
     rank = {"generate": 0, "prefill": 1, "first": 2}
     order = sorted(kinds, key=lambda n: ("branches" not in manifest["models"][n]["blobs"].get(device, {}),

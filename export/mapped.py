@@ -30,15 +30,17 @@ four bodies: 3.5-4.5 s against 1.0-1.4); never paged out, the whole file stays r
 the packing ends (the open's peak: 1630 MB, 1.56x the stateful model's compile_model). So the
 sweep waits for the packing and then pages out the first G - BEHIND_MARGIN bytes of each new
 mapping, G being how much the process's anonymous memory has grown since the import began: a
-packed byte costs at least one anonymous byte at f32 and at half a byte at bf16 (the packed
-copy), so the page-out stays behind the packing and nothing is read from disk twice; the
-margin absorbs the import's other allocations. Measured on the bench model (four-body If blob,
-then the generate blob swept from the start), alternating fresh processes: peak 1630 ->
-1190-1240 MB, open 2.23-2.58 -> 2.47-2.60 s, the same held RSS and tokens. Were the packing
-order or the estimate wrong, pages would be read from disk again or stay resident longer: time
-or memory, never data. Not for `kvc compile`'s blob check, which imports lazily (one prefill
-blob and the If blob at most together, then the generate blobs) and stays below NPUW_LLM's
-compile without it (export/load.py, `pipeline_from`).
+packed byte costs at least one anonymous byte at f32 and half a byte at bf16 (the packed copy),
+so the page-out stays behind the packing and the import reads nothing from disk again; the
+margin absorbs the import's other allocations. The pages it paged out are out of the page
+cache, so the next import reads them from disk. Measured on the bench model (the four-body If
+blob, then the generate blob swept from the start), alternating fresh processes: the If
+import alone peaked at 1097 MB against 1632; the open at 1182-1219 MB against 1630, in
+2.84-3.39 s against 2.38-2.85, the same held RSS and tokens. Were the packing order or the
+estimate wrong, pages would be read from disk again or stay resident longer: time or memory,
+never data. Not for `kvc compile`'s blob check, which imports lazily (one prefill blob and the
+If blob at most together, then the generate blobs) and stays below NPUW_LLM's compile without
+it (export/load.py, `pipeline_from`).
 
 MADV_PAGEOUT never loses data, whatever the range holds by the time the call lands: clean file
 pages are dropped and read again from the file when touched, dirty or anonymous pages are written
