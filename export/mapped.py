@@ -131,11 +131,12 @@ def shared_readonly_mappings(path: str | Path) -> set[tuple[int, int]]:
     return {(start, end) for start, end, perms in _mappings(path) if perms[:2] == "r-" and perms[3] == "s"}
 
 
-def anonymous_bytes() -> int:
-    """This process's resident anonymous memory (RssAnon), 0 where /proc says nothing."""
+def status_bytes(field: str) -> int:
+    """A size this process's /proc/self/status gives in kB (VmRSS, RssAnon), in bytes; 0 where
+    /proc says nothing."""
     try:
         with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:")), 0)
+            return next((int(line.split()[1]) << 10 for line in f if line.startswith(f"{field}:")), 0)
     except OSError:
         return 0
 
@@ -152,11 +153,11 @@ def pages_released(path: str | Path, *, sweep: str = "all"):
     if before is None:
         yield
         return
-    done, grown_from, page = threading.Event(), anonymous_bytes(), os.sysconf("SC_PAGESIZE")
+    done, grown_from, page = threading.Event(), status_bytes("RssAnon"), os.sysconf("SC_PAGESIZE")
 
     def page_out() -> None:
         while not done.wait(SWEEP_SECONDS):
-            behind = (anonymous_bytes() - grown_from - BEHIND_MARGIN) // page * page if sweep == "behind" else None
+            behind = (status_bytes("RssAnon") - grown_from - BEHIND_MARGIN) // page * page if sweep == "behind" else None
             if behind is not None and behind <= 0:
                 continue
             for start, end in shared_readonly_mappings(path) - before:

@@ -185,6 +185,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     from kvc.export.build import build_static
     from kvc.export.compile import auto_cache, device_config, model_max_positions
     from kvc.export.manifest import openvino_version, source_hashes
+    from kvc.export.mapped import status_bytes
     from kvc.ir.reader import core, load, resolve
     from kvc.plan import StaticOptions
     from kvc.runtime.session import array_dtype, shared_tensor
@@ -209,11 +210,11 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                  *([f"generate-{s}" for s in sizes] if i == 0 else [])]
         for name in names:
             say(f"measuring: {name} (chunk {chunk})" if name == "prefill" else f"measuring: {name}")
-            before = _rss()
+            before = status_bytes("VmRSS")
             started = time.perf_counter()
             compiled = core().compile_model(static.models[name], device, config)
             compile_s.append(time.perf_counter() - started)
-            model_bytes.append(max(0, _rss() - before))
+            model_bytes.append(max(0, status_bytes("VmRSS") - before))
             request = compiled.create_infer_request()
             inputs = []  # the arrays the request's tensors share: alive until the request is gone
             for port in compiled.inputs:  # set once, as the pipeline binds its buffers: no copy per call
@@ -239,16 +240,6 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     target = {"device": device, "precision": precision, **cache, "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target, first_ms)
-
-
-def _rss() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # -- the model of a request ----------------------------------------------------------------
