@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -40,6 +41,7 @@ class Progress:
     def __init__(self, stream=None):
         self.stream = stream
         self.open_phase: str | None = None
+        self._lock = threading.Lock()  # a compile tells its device compiles from a second thread
 
     def _terminal(self) -> bool:
         stream = self.stream or sys.stderr
@@ -47,7 +49,8 @@ class Progress:
 
     def __call__(self, message: str) -> None:
         try:
-            self._write(message)
+            with self._lock:
+                self._write(message)
         except BrokenPipeError:
             import os
             import sys

@@ -66,12 +66,16 @@ class DeviceCompiler:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
+        self.close(kill=exc_type is not None)
+
+    def close(self, kill: bool = False) -> None:
         """Stop the server: by closing its input (it stops a compiling child then), or at once
-        when the compile failed or was interrupted (its child dies with it: PDEATHSIG)."""
+        with `kill`, when the compile failed or was interrupted (its child dies with it:
+        PDEATHSIG; a `compile` waiting on another thread then raises). Idempotent."""
         server, self._server = self._server, None
         if server is None:
             return
-        if exc_type is not None:
+        if kill:
             server.kill()
         with contextlib.suppress(OSError):  # a server that died has closed its end
             server.stdin.close()
@@ -91,16 +95,17 @@ class DeviceCompiler:
                    "blob": str(blob)}
         if branches:
             request["branches"] = {branch: str(path) for branch, path in branches.items()}
-        if self._server is None:
+        server = self._server
+        if server is None:
             return _compile_one(request)
         try:
-            self._server.stdin.write(json.dumps(request) + "\n")
-            self._server.stdin.flush()
-            line = self._server.stdout.readline()
-        except (BrokenPipeError, OSError):
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            line = server.stdout.readline()
+        except (BrokenPipeError, OSError, ValueError):  # ValueError: closed by `close` meanwhile
             line = ""
         if not line:
-            status = self._server.wait()
+            status = server.wait()
             raise RuntimeError(f"kvc's device compile server stopped (exit status {status})")
         try:
             reply = json.loads(line)

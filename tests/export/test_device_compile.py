@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from kvc import fixtures
-from kvc.errors import DeviceError, InvalidModelError
+from kvc.errors import DeviceError, InvalidModelError, VerificationError
 from kvc.export import device_compile
 from kvc.export.compile import CompileOptions, compile_to, device_config
 from kvc.export.device_compile import DeviceCompiler
@@ -64,17 +64,58 @@ def test_errors_in_the_compiling_process_are_raised_as_they_are(compiled, tmp_pa
                                 tmp_path / "ok.blob")["bytes"] == (tmp_path / "ok.blob").stat().st_size
 
 
-def test_a_compiling_process_that_dies_is_a_device_error_and_publishes_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("verify", [False, True], ids=["no-verify", "beside-verification"])
+def test_a_compiling_process_that_dies_is_a_device_error_and_publishes_nothing(tmp_path, monkeypatch, verify):
     """A crash inside the plugin kills the forked child, not kvc: compile says which model and
-    how it died (exit 5) and publishes nothing."""
+    how it died (exit 5) and publishes nothing; also when the compile ran on a thread beside
+    the IR's verification, which passed."""
     monkeypatch.setattr(device_compile, "_SERVER",
                         "import os, signal, sys; sys.path = [p for p in sys.path if p not in ('', '.')]; "
                         "import kvc.export.device_compile as d; "
                         "d._compile_one = lambda request: os.kill(os.getpid(), signal.SIGSEGV); d._serve()")
     out = tmp_path / "out"
     with pytest.raises(DeviceError, match=r"compiling prefill for CPU failed: the compiling process died \(signal 11\)"):
-        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=verify))
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_failed_verification_stops_the_compile_running_beside_it(tmp_path, monkeypatch):
+    """The CPU's device compile runs while kvc's process verifies the IR: a verification that
+    fails while a child compiles (one that would take a minute) kills the server and the child
+    and raises the verification's error at once, publishing nothing."""
+    import os
+    import time
+
+    import kvc.verify.compiled as checks
+
+    marker = tmp_path / "child.pid"
+    monkeypatch.setattr(device_compile, "_SERVER",
+                        "import os, sys, time; sys.path[:1] = []; import kvc.export.device_compile as d; "
+                        f"d._compile_one = lambda request: (open({str(marker)!r}, 'w').write(str(os.getpid())), "
+                        "time.sleep(60)); d._serve()")
+    seen = []
+
+    def broken(*args, **kwargs):  # the verification fails once the compile is under way
+        for _ in range(600):
+            if marker.exists() and marker.read_text():
+                break
+            time.sleep(0.05)
+        seen.append(marker.exists())
+        return {"against": "test", "ok": False, "results": [{"ok": False, "prompt_tokens": 7, "reason": "forced"}]}
+
+    monkeypatch.setattr(checks, "verify_static", broken)
+    out = tmp_path / "out"
+    with pytest.raises(VerificationError, match="prompt of 7 tokens: forced; nothing was written"):
+        compile_to(fixtures.path("llama"), out, CompileOptions(SMALL))
+    assert seen == [True], "the device compile was under way while the IR was verified"
+    child = int(marker.read_text())
+    for _ in range(100):
+        alive = os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z"
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, "the compiling child was stopped"
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["child.pid"]
 
 
 def test_what_the_plugin_prints_does_not_mix_into_the_replies(compiled, tmp_path, monkeypatch):
