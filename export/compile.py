@@ -574,7 +574,8 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     generations (None, None with --no-verify). Each device compile runs in a process of
     its own (`DeviceCompiler`), half of it on one core (the plugin's transformations), so the
     CPU's compiles are awaited on a thread while kvc's process verifies the IR and both cores
-    stay busy (the 250M Llama's `kvc compile`: medians 20.0 -> 16.4 s in paired runs). A failed
+    stay busy (the 250M Llama's `kvc compile`, paired runs against the serial order: medians
+    15.8 -> 14.7 s in a quiet phase of the machine, 20.0 -> 16.4 s in a busy one). A failed
     verification stops the compiles at once; a failed compile is raised after a verification
     that passed."""
     beside = [d for d in options.devices if d in BESIDE_VERIFICATION] if options.verify else []
