@@ -600,6 +600,8 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     if options.verify and not beside:
         _phase(options, "verify the IR (numpy) against the source", work)
         verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options, progress)
+    if options.recorder is not None and ir_gens is not None:  # a phase of its own, after the compiles
+        options.recorder.probes(model_path, cases, ir_gens, work)
     return verification, ir_gens
 
 
@@ -614,8 +616,6 @@ def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, sele
     ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
                                                                         f"runtime ({i}/{len(cases)})"))
     verification = verify_static(reference_session(model_path), static, cases, ir_gens, selecting)
-    if options.recorder is not None:
-        options.recorder.probes(model_path, cases, ir_gens, work)
     if not verification["ok"]:
         bad = next(r for r in verification["results"] if not r["ok"])
         raise VerificationError(
