@@ -237,7 +237,9 @@ class CompileOptions:
 
 def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
                progress: Callable[[str], None] = lambda message: None) -> dict:
-    """Compile `model_path` into the directory `out`; return the manifest."""
+    """Compile `model_path` into the directory `out`; return the manifest. `progress` is told
+    each step as a line of text, from a second thread too (the device compiles report from
+    the thread that awaits them while the IR is verified)."""
     model_path, out = Path(model_path), Path(out)
     for device in options.devices:
         device_config(device, for_export=True, precision=options.inference_precision)
