@@ -7,6 +7,11 @@ exports it), with kvc's defaults and nothing tuned:
                --device NPU` (NPUW on its CPU backend), each in a fresh process: wall time and
                peak RSS; against NPUW_LLM's compile_model of the stateful model (bench/probe_npuw.py
                compile) and, for CPU, the stateful model's compile_model on CPU
+  ready        from the model directory to a pipeline generating on the device (CPU, and NPU
+               through NPUW's CPU backend), verification included, each round in fresh
+               processes: `kvc compile` then `open_compiled(OUT)` (two processes, their times
+               summed), and `compile_and_open` (one library call that serves the blobs its check
+               imported); against NPUW_LLM's compile_model of the stateful model
   disk         bytes of OUT's models and blobs (tokenizer files left out) over weights.bin
   open         open_compiled(OUT) on OpenVINO CPU, in a fresh process: time, peak RSS and the
                RSS it then holds; against compile_model of the stateful model on CPU; then,
@@ -48,7 +53,7 @@ from probe_npuw import NPUW_LLM, stateful_inputs
 
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / ".models" / "llama-250m-fp32"
-STEPS = ("compile", "disk", "open", "ttft", "decode")
+STEPS = ("compile", "ready", "disk", "open", "ttft", "decode")
 EXACT = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 
 
@@ -115,9 +120,13 @@ def child(kind: str, model: Path, out: Path, device: str) -> dict:
             if exc.code:
                 raise
     elif kind == "kvc-open":
-        from kvc.export.load import open_compiled
+        from kvc.export.load import BACKEND_OF_DEVICE, open_compiled
 
-        engine = open_compiled(out, "openvino")
+        engine = open_compiled(out, BACKEND_OF_DEVICE[device])
+    elif kind == "kvc-compile-open":
+        from kvc.export.compile import CompileOptions, compile_and_open, compile_static
+
+        _, engine = compile_and_open(model, out, CompileOptions(compile_static((device,)), devices=(device,)))
     elif kind == "stateful-compile":
         import openvino as ov
 
@@ -132,9 +141,9 @@ def child(kind: str, model: Path, out: Path, device: str) -> dict:
     else:
         raise SystemExit(f"unknown child {kind}")
     measured = {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
-    if kind in ("kvc-open", "stateful-compile"):  # then ready to serve: after a first token and one step
+    if kind in ("kvc-open", "kvc-compile-open", "stateful-compile"):  # then ready to serve: a token and a step
         prompt = np.arange(1, 17, dtype=np.int64)
-        if kind == "kvc-open":
+        if kind != "stateful-compile":
             engine.generate(prompt.tolist(), 2)
         else:
             stateful_generate(engine[0], prompt, 2)
@@ -189,6 +198,33 @@ def measure_compile(model: Path, tmp: Path, reps: int) -> list[dict]:
             rows.append({"step": "compile", "what": f"kvc compile --device {device} (defaults, verification on)",
                          "peer": peer, "kvc_s": median_of(ours, "seconds"), "peer_s": median_of(theirs, "seconds"),
                          "kvc_rss_mb": median_of(ours, "peak_rss_mb"), "peer_rss_mb": median_of(theirs, "peak_rss_mb")})
+    return rows
+
+
+def measure_ready(model: Path, tmp: Path, reps: int) -> list[dict]:
+    """Issue 14's target 3: from the model directory to a pipeline generating on the device,
+    `kvc compile` then an open (each in a fresh process, summed per round) and the one library
+    call, against NPUW_LLM's compile_model, alternating."""
+    rows = []
+    for device in ("CPU", "NPU"):
+        two, one, npuw = [], [], []
+        for i in range(reps):
+            out, out2 = tmp / f"ready-{device}-{i}", tmp / f"ready-{device}-{i}-one"
+            compiled = run_child("kvc-compile", model, out, device)
+            opened = run_child("kvc-open", model, out, device)
+            two.append({"seconds": compiled["seconds"] + opened["seconds"],
+                        "peak_rss_mb": max(compiled["peak_rss_mb"], opened["peak_rss_mb"]),
+                        "rss_mb": opened["rss_mb"]})
+            one.append(run_child("kvc-compile-open", model, out2, device))
+            npuw.append(run_child("npuw-compile", model, out))
+            subprocess.run(["rm", "-rf", str(out), str(out2)], check=True)
+        for what, ours in ((f"`kvc compile --device {device}`, then open_compiled(OUT) (two processes)", two),
+                           (f"compile_and_open for {device} (one library call)", one)):
+            rows.append({"step": "ready", "what": f"model directory to a pipeline: {what}",
+                         "peer": "NPUW_LLM compile_model (NPU, CPU backend)", "kvc_s": median_of(ours, "seconds"),
+                         "peer_s": median_of(npuw, "seconds"), "kvc_rss_mb": median_of(ours, "peak_rss_mb"),
+                         "peer_rss_mb": median_of(npuw, "peak_rss_mb"),
+                         "then_holds_mb": median_of(ours, "rss_mb")})  # in the JSON; the open's rows compare it
     return rows
 
 
@@ -381,13 +417,15 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvc-default-path-", dir=os.environ.get("TMPDIR")) as name:
         tmp = Path(name)
-        needs_out = [s for s in only if s != "compile"]
+        needs_out = [s for s in only if s not in ("compile", "ready")]
         if "compile" in only:
             rows += measure_compile(args.model, tmp, args.reps)
         elif needs_out:
             run_child("kvc-compile", args.model, tmp / "compile-CPU-0")
             if "disk" in only:
                 run_child("kvc-compile", args.model, tmp / "compile-NPU-0", "NPU")
+        if "ready" in only:
+            rows += measure_ready(args.model, tmp, args.reps)
         for row in rows:
             print(json.dumps(row), flush=True)
         if "disk" in only:

@@ -240,7 +240,26 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
     """Compile `model_path` into the directory `out`; return the manifest. `progress` is told
     each step as a line of text, from a second thread too (the device compiles report from
     the thread that awaits them while the IR is verified)."""
-    model_path, out = Path(model_path), Path(out)
+    return _compile(Path(model_path), Path(out), options, progress, None)[0]
+
+
+def compile_and_open(model_path: str | Path, out: str | Path, options: CompileOptions = CompileOptions(),
+                     progress: Callable[[str], None] = lambda message: None, device: str | None = None):
+    """`compile_to`, then the compiled pipeline on `device` (default: the first of
+    `options.devices`) ready to generate: (manifest, StaticPipeline). It serves the blobs the
+    compile's blob check imported and ran, so nothing is imported again: the same pipeline as
+    `open_compiled(out, backend)` (OpenVINO CPU for "CPU", the NPU plugin for "NPU"), without
+    the open's time (the 250M Llama: 3-4 s; docs/benchmarks.md). The check then holds that
+    device's prefill blobs while it imports its generate blobs, as an open does (its memory, below
+    the compile's own peak)."""
+    device = device or options.devices[0]
+    if device not in options.devices:
+        raise UsageError(f"cannot open the pipeline on {device}: the compile is for {', '.join(options.devices)}")
+    return _compile(Path(model_path), Path(out), options, progress, device)
+
+
+def _compile(model_path: Path, out: Path, options: CompileOptions, progress, serve: str | None):
+    """`compile_to`'s work: the manifest, and the pipeline on the device `serve` (else None)."""
     for device in options.devices:
         device_config(device, for_export=True, precision=options.inference_precision)
     check_kv(options.static.kv_precision, options.devices)
@@ -257,10 +276,10 @@ def compile_to(model_path: str | Path, out: str | Path, options: CompileOptions 
         raise _output_error(exc, out, None) from None
     try:
         with BackgroundHashes() as hashes, DeviceCompiler() as compiler:
-            manifest = _compile_into(model_path, work, options, progress, hashes, compiler)
+            manifest, pipeline = _compile_into(model_path, work, options, progress, hashes, compiler, serve)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
         _publish(work, out, options.force)
-        return manifest
+        return manifest, pipeline
     except OSError as exc:
         if exc.errno not in _CANNOT_WRITE:
             raise
@@ -345,9 +364,10 @@ def _alive(pid: int) -> bool:
 
 
 def _compile_into(model_path: Path, work: Path, options: CompileOptions, progress, hashes: BackgroundHashes,
-                  compiler: DeviceCompiler) -> dict:
-    """Build, save, export and check everything into `work`; the manifest. Every file's hash
-    is started on `hashes` as soon as the file is final; blobs are compiled by `compiler`."""
+                  compiler: DeviceCompiler, serve: str | None):
+    """Build, save, export and check everything into `work`; the manifest, and the pipeline
+    over the blobs of the device `serve` as their check imported them (else None). Every file's
+    hash is started on `hashes` as soon as the file is final; blobs are compiled by `compiler`."""
     cache = BlobCache(options.cache_dir, progress) if options.cache_dir is not None else None
     progress(f"loading {model_path}")
     sources = source_files(model_path)
@@ -407,8 +427,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         for device in options.devices:
             for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
                 hashes.start(work / file)
-        manifest["blob_check"] = _check_blobs(model_path, work, manifest, cases, ir_gens, selecting, options,
-                                              progress)
+        manifest["blob_check"], pipeline = _check_blobs(model_path, work, manifest, cases, ir_gens, selecting,
+                                                        options, progress, serve)
     except EvaluationError as exc:  # a probe reached past a position table the model states
         beyond = _beyond_max_positions(stated, options.static)
         if beyond is None:
@@ -422,7 +442,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     # Outputs, not diagnostics: dumps (and their timings) are left out.
     files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST and "dumps" not in p.parts)
     manifest["files"] = {p.relative_to(work).as_posix(): hashes.entry(p) for p in files}
-    return manifest
+    return manifest, pipeline
 
 
 def _build_and_save(model_path: Path, work: Path, options: CompileOptions, stated: tuple[str, int] | None, progress):
@@ -627,25 +647,28 @@ def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, sele
 
 
 def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, selecting: bool,
-                 options: CompileOptions, progress) -> list[dict]:
+                 options: CompileOptions, progress, serve: str | None):
     """Every blob imported as `kvc run` imports it and run on the probe `cases`, against the
-    IR's generations `ir_gens` (only for finite logits with --no-verify)."""
+    IR's generations `ir_gens` (only for finite logits with --no-verify): the rows, and the
+    pipeline over the blobs of the device `serve` (else None)."""
     from kvc.verify.compiled import check_blobs
 
-    rows = []
+    rows, pipeline = [], None
     for device in options.devices:
         _phase(options, f"check the {device} blobs", work)
         progress(f"importing and running the {device} blobs")
-        rows += check_blobs(work, manifest, device, cases, ir_gens,
-                            lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
-                            selecting=selecting, source=model_path)
+        checked, kept = check_blobs(work, manifest, device, cases, ir_gens,
+                                    lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
+                                    selecting=selecting, source=model_path, keep=device == serve)
+        rows += checked
+        pipeline = pipeline or kept
         bad = next((r for r in rows if not r["ok"]), None)
         if bad is not None:
             raise VerificationError(
                 f"the {device} blobs do not reproduce the static IR: prompt of {bad['prompt_tokens']} tokens: "
                 f"{bad['reason']}; nothing was written (kvc compile --device CPU --no-verify and "
                 f"kvc run --from-ir to compare{_bf16_hint(manifest, device)})")
-    return rows
+    return rows, pipeline
 
 
 def _bf16_hint(manifest: dict, device: str) -> str:

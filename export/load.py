@@ -236,6 +236,21 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     return StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk, first=first)
 
 
+def serving(pipe: StaticPipeline) -> StaticPipeline:
+    """A fresh pipeline (zeroed KV buffers) over the sessions `pipe` runs, a lazy pipeline's
+    (`pipeline_from(..., lazy=True)`) unwrapped and each imported now if it was not: what
+    `kvc.export.compile.compile_and_open` serves from the blobs its check imported. `pipe` is
+    spent (its sessions are bound to the new buffers)."""
+    def opened(session):
+        return session._opened() if isinstance(session, LazySession) else session
+
+    lengths = pipe.plan.lengths
+    bulk = {size: opened(s) for size, s in pipe.prefill_sessions.items() if size != lengths.chunk}
+    return StaticPipeline(opened(pipe.prefill), {size: opened(s) for size, s in pipe.generate_sessions.items()},
+                          pipe.plan, pipe.pad_token, pipe.vocab, bulk=bulk,
+                          first={size: opened(s) for size, s in pipe.first_sessions.items()})
+
+
 class LazySession:
     """A session imported at its first inference and dropped by `release` (imported again if
     run again); its buffer bindings are kept across. `kvc compile` checks its blobs with these

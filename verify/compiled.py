@@ -185,7 +185,7 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
 
 
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
-                selecting: bool = False, source=None) -> list[dict]:
+                selecting: bool = False, source=None, keep: bool = False):
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision),
@@ -193,8 +193,12 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     BLOB_ROW_ERROR where the blobs compute below f32; not for an int8 cache, `stored_rows`),
     else only for finite logits. With the `source` model's path, a CPU blob run below f32 that
     fails a fixed bound is judged again with the bounds widened by the plugin's own drift on
-    that probe (`kvc.verify.peer_drift`). An import or inference failure raises DeviceError."""
-    from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from
+    that probe (`kvc.verify.peer_drift`). An import or inference failure raises DeviceError.
+
+    The rows, and with `keep` a fresh pipeline over the blobs it imported (`serving`), else
+    None: the prefill blobs then stay imported while the generate blobs are (the memory of
+    an open, below the compile's own peak), and nothing need be imported again to serve."""
+    from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from, serving
     from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
     from kvc.verify.peer_drift import peer_for
@@ -207,9 +211,9 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
-    # The prefill blob for every case, then the generate blobs: never both in memory (each
-    # import maps weights.bin and packs the weights again), so checking costs no more memory
-    # than the compile.
+    # The prefill blob for every case, then the generate blobs: unless kept, never both in
+    # memory (each import maps weights.bin and packs the weights again), so checking costs no
+    # more memory than the compile.
     steps = 2 * len(cases)
     prefilled = []
     for i, (prompt, n, _) in enumerate(cases, 1):
@@ -218,7 +222,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         if on_step is not None:
             on_step(i, steps)
     for session in (*pipe.prefill_sessions.values(), *pipe.first_sessions.values()):
-        session.release()
+        if not keep:
+            session.release()
     rows = []
     for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):
         for buffer in pipe.buffers.values():
@@ -239,7 +244,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
         rows.append(row)
-    return rows
+    return rows, serving(pipe) if keep else None
 
 
 def selects(models) -> bool:

@@ -324,10 +324,10 @@ def test_an_out_published_meanwhile_by_another_compile_is_kept(tmp_path, monkeyp
     real = compile_module._compile_into
 
     def racing(*args):
-        manifest = real(*args)
+        result = real(*args)
         out.mkdir()
         (out / "theirs").write_text("the other compile's result")
-        return manifest
+        return result
 
     monkeypatch.setattr(compile_module, "_compile_into", racing)
     with pytest.raises(UsageError, match="was created by another process during this compile; it was kept"):
@@ -920,6 +920,43 @@ def test_the_library_builds_what_kvc_compile_builds(tmp_path):
     for entry in cli["models"].values():
         assert (tmp_path / "cli" / entry["xml"]).read_bytes() == (tmp_path / "lib" / entry["xml"]).read_bytes()
     assert StaticOptions().kv_precision == "f32" and compile_static(("NPU",)).kv_precision == "f16"
+
+
+def test_compile_and_open_serves_the_checked_blobs_without_importing_them_again(tmp_path, monkeypatch):
+    """compile_and_open gives the pipeline open_compiled gives (the same tokens and logits on
+    prompts that run every prefill model and both generate variants), built on the blobs its
+    check imported: each blob file is imported once in the whole call, and the pipeline runs
+    from OUT after the work directory it was imported from is renamed."""
+    from kvc.export.compile import compile_and_open, compile_static
+    from kvc.export.load import _Imports
+
+    imported = []
+    real = _Imports._import
+    monkeypatch.setattr(_Imports, "_import", lambda self, name, blob, sweep: imported.append(blob["file"]) or
+                        real(self, name, blob, sweep))
+    out = tmp_path / "out"
+    options = CompileOptions(compile_static(max_prompt_len=320, min_response_len=64, variants=(128,)))
+    manifest, pipe = compile_and_open(fixtures.path("llama"), out, options)
+    files = {m["blobs"]["CPU"]["file"] for m in manifest["models"].values()}
+    assert sorted(imported) == sorted(files) and len(files) == 1 + 2  # the If blob, two generate variants
+    assert set(manifest["models"]) == {"prefill", "prefill-128", "first-16", "first-128", "generate-128", "generate-448"}
+    assert manifest == read_manifest(out) and not list(tmp_path.glob(".out.partial-*"))
+    opened, variants = open_compiled(out, "openvino"), set()
+    # the first chunk of 16, then the first of 128, the bulk chunk and the chunk over their past
+    for ids, new in (([5, 6, 7], 130), (list(range(3, 268)), 20)):
+        got, want = pipe.generate(ids, new), opened.generate(ids, new)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(np.stack(got.logits), np.stack(want.logits))
+        variants.update(got.variants)
+    assert variants == {128, 448}
+
+
+def test_compile_and_open_refuses_a_device_it_does_not_compile_for(tmp_path):
+    from kvc.export.compile import compile_and_open
+
+    with pytest.raises(UsageError, match="cannot open the pipeline on NPU: the compile is for CPU"):
+        compile_and_open(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL), device="NPU")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_path):
