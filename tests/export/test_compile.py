@@ -120,6 +120,18 @@ def test_compiled_directory_runs_from_ir_and_from_blobs(compiled, backend):
         np.testing.assert_array_equal(np.stack(blob_run.logits), np.stack(ir_run.logits))
 
 
+def test_npu_blobs_share_one_weights_bank_named_for_the_weights(compiled):
+    """NPUW's blobs name their weights bank (NPUW_WEIGHTS_BANK) for weights.bin's sha256, so
+    that the prefill and generate models of an open hold the weights once, and a directory
+    with other weights never shares it; the IR, run on the NPU, names the same bank."""
+    m = read_manifest(compiled)
+    bank = "kvc-" + m["files"]["weights.bin"]["sha256"][:16]
+    blobs = [entry["blobs"]["NPU"] for entry in m["models"].values()]
+    assert len(blobs) == 3 and {b["compile_config"]["NPUW_WEIGHTS_BANK"] for b in blobs} == {bank}
+    assert {b["import_config"]["NPUW_WEIGHTS_BANK"] for b in blobs} == {bank}
+    assert all("NPUW_WEIGHTS_BANK" not in entry["blobs"]["CPU"]["compile_config"] for entry in m["models"].values())
+
+
 def test_opening_npu_blobs_leaves_the_process_cpu_defaults_alone(compiled):
     """NPU blobs import through a Core of their own set to f32: a later CPU compile at the
     plugin's defaults (kvc compile --inference-precision auto) must still get the defaults."""
