@@ -24,7 +24,7 @@ import json
 import os
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,6 +32,7 @@ from typing import Callable
 from kvc import __version__
 from kvc.errors import OutputError, UsageError, VerificationError
 from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, group_key, keyable
+from kvc.export.branches import branch_groups
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.mapped import pages_released
@@ -556,8 +557,6 @@ def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], de
     blob of the model's key in `keys`; the manifest entry of each. The groups `branch_groups`
     finds in `models` (their manifest entries) are each compiled as one If chain, one blob for
     all (export/branches.py)."""
-    from kvc.export.branches import branch_groups
-
     grouped = {name: group for group in branch_groups({n: models[n] for n in xmls}, device) for name in group}
     units = list(dict.fromkeys(grouped.get(name, (name,)) for name in xmls))
     blobs = {}
@@ -610,6 +609,46 @@ def reference_session(model_path: Path):
 BESIDE_VERIFICATION = ("CPU",)
 
 
+# How long a failed compile waits for the thread awaiting the device compiles (whose process it
+# has killed) before it gives up on it (`_Beside`).
+ABANDON_SECONDS = 10.0
+
+
+class _Beside:
+    """`work()` run on a daemon thread from now; `wait` returns its result or raises its error.
+
+    A daemon thread, and a bounded wait when the caller has failed: a Ctrl-C can land in the
+    main thread while it holds the interpreter's import lock (inside importlib's own code,
+    between taking the lock and the `try` that releases it), and a thread that then imports
+    anything waits forever (`kvc compile` hung at exit about one time in ten when interrupted
+    during the verification, its device compile thread blocked in an import). So the thread
+    imports nothing that is not imported before it starts, and a failed compile `join`s it for
+    a bounded time: stuck, it is left behind and does not hold the process at exit."""
+
+    def __init__(self, work: Callable[[], object]) -> None:
+        self._outcome: dict = {}
+
+        def run() -> None:
+            try:
+                self._outcome["result"] = work()
+            except BaseException as exc:  # raised again in the waiting thread
+                self._outcome["error"] = exc
+
+        self._thread = threading.Thread(target=run, name="kvc-device-compile", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for `work` to end, at most `timeout` seconds."""
+        self._thread.join(timeout)
+
+    def result(self):
+        """Wait for `work` to end; its result, or its error raised."""
+        self._thread.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["result"]
+
+
 def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,
                         options: CompileOptions, progress, compiler: DeviceCompiler, compile_for):
     """Compile every device's blobs (`compile_for(device)`) and verify the IR against the source
@@ -625,17 +664,15 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     verification = ir_gens = None
     if beside:
         _phase(options, f"compile for {', '.join(beside)}, meanwhile verify the IR (numpy) against the source", work)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="kvc-device-compile")
+        compiling = _Beside(lambda: [compile_for(device) for device in beside])
         try:
-            compiling = pool.submit(lambda: [compile_for(device) for device in beside])
             verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
                                                progress)
             compiling.result()
         except BaseException:
             compiler.close(kill=True)  # its thread's wait for a reply ends
+            compiling.join(ABANDON_SECONDS)
             raise
-        finally:
-            pool.shutdown()
     for device in options.devices:
         if device not in beside:
             _phase(options, f"compile for {device}", work)

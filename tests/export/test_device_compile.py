@@ -118,6 +118,61 @@ def test_a_failed_verification_stops_the_compile_running_beside_it(tmp_path, mon
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["child.pid"]
 
 
+def test_a_failed_compile_does_not_wait_for_a_stuck_device_compile_thread(tmp_path, monkeypatch):
+    """A thread awaiting the device compile that cannot end (as one blocked on the import
+    lock a Ctrl-C left held) is waited for ABANDON_SECONDS once the verification has failed,
+    then left behind: the verification's error is raised and nothing is published."""
+    import threading
+    import time
+
+    import kvc.export.compile as compile_module
+    import kvc.verify.compiled as checks
+
+    never = threading.Event()
+    monkeypatch.setattr(DeviceCompiler, "compile", lambda self, *args, **kwargs: never.wait(30))
+    monkeypatch.setattr(compile_module, "ABANDON_SECONDS", 0.5)
+    monkeypatch.setattr(checks, "verify_static", lambda *args, **kwargs: {
+        "against": "test", "ok": False, "results": [{"ok": False, "prompt_tokens": 7, "reason": "forced"}]})
+    out = tmp_path / "out"
+    started = time.monotonic()
+    try:
+        with pytest.raises(VerificationError, match="prompt of 7 tokens: forced"):
+            compile_to(fixtures.path("llama"), out, CompileOptions(SMALL))
+        assert time.monotonic() - started < 20, "waited for the stuck thread"
+        stuck = [t for t in threading.enumerate() if t.name == "kvc-device-compile"]
+        assert stuck and all(t.daemon for t in stuck), "left behind, it must not hold the process at exit"
+        assert not out.exists()
+    finally:
+        never.set()
+
+
+def test_the_device_compile_thread_imports_nothing(tmp_path):
+    """Every module the thread awaiting the CPU's compiles uses is imported before it starts
+    (checked in a fresh interpreter): an import there could wait forever on an import lock a
+    Ctrl-C left held in the main thread (`kvc compile` hung one time in ten when interrupted
+    during the verification)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import builtins, sys, threading
+imported, real = [], builtins.__import__
+def spy(name, *args, **kwargs):
+    if threading.current_thread().name == "kvc-device-compile" and name not in sys.modules:
+        imported.append(name)
+    return real(name, *args, **kwargs)
+builtins.__import__ = spy
+from kvc.export.compile import CompileOptions, compile_to
+from kvc.plan import StaticOptions
+compile_to({str(fixtures.path("llama"))!r}, {str(tmp_path / "out")!r},
+           CompileOptions(StaticOptions(max_prompt_len=64, min_response_len=32, variants=(80,))))
+print(imported)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_what_the_plugin_prints_does_not_mix_into_the_replies(compiled, tmp_path, monkeypatch):
     """fd 1 of the compiling process is stderr: 12 KB written there by native code (here
     os.write, as a plugin's printf would) leave the reply intact."""
