@@ -35,7 +35,7 @@ from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, group_key, 
 from kvc.export.branches import branch_groups
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
-from kvc.export.mapped import pages_released
+from kvc.export.mapped import pages_released, trim_heap
 from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
                                  source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
@@ -300,6 +300,8 @@ def _compile(model_path: Path, out: Path, options: CompileOptions, progress, ser
             manifest, pipeline = _compile_into(model_path, work, options, progress, hashes, compiler, serve)
         write_bytes_atomic(work / MANIFEST, dumps(manifest).encode())
         _publish(work, out, options.force)
+        if pipeline is not None:  # this process goes on, serving: what the compile freed goes back
+            trim_heap()
         return manifest, pipeline
     except OSError as exc:
         if exc.errno not in _CANNOT_WRITE:

@@ -103,6 +103,20 @@ _madvise = _libc("madvise")
 _mprotect = _libc("mprotect")
 
 
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim(0)``; nothing
+    where there is no glibc). Memory that OpenVINO and numpy free stays in malloc's arenas,
+    counted in the process's RSS, until the heap is trimmed: after `compile_and_open` on the
+    250M Llama the process held 1.45 GB of it with the NPU's pipeline (NPUW frees its
+    import's copies at the first inference), 77 MB with the CPU's."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _mappings(path: str | Path) -> list[tuple[int, int, str]]:
     """The (start, end, permissions) of each range where this process maps `path` (found by
     path or by device and inode), from /proc/self/maps."""

@@ -789,6 +789,33 @@ print("written")
 """
 
 
+def test_trim_heap_gives_the_c_heaps_free_memory_back():
+    """Memory freed inside the C heap (below its top, so malloc cannot shrink it) stays in
+    the process's RSS until trim_heap, which compile_and_open calls before it serves."""
+    script = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) >> 10
+blocks = [libc.malloc(64 << 10) for _ in range(4000)]  # 250 MB, each below the mmap threshold
+for block in blocks:
+    ctypes.memset(block, 1, 64 << 10)
+pin = libc.malloc(64 << 10)  # above them
+for block in blocks:
+    libc.free(block)
+before = rss()
+from kvc.export.mapped import trim_heap
+trim_heap()
+print(before, rss())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    assert before - after > 200, (before, after)
+
+
 def test_held_weights_cannot_be_written_so_dropping_them_loses_nothing(tmp_path):
     """The mapping is copy-on-write (OpenVINO shares only a writable buffer); a page written in
     it would be private, and dropping it would silently undo the write. HeldPages makes it
