@@ -196,8 +196,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     that probe (`kvc.verify.peer_drift`). An import or inference failure raises DeviceError.
 
     The rows, and with `keep` a fresh pipeline over the blobs it imported (`serving`), else
-    None: the prefill blobs then stay imported while the generate blobs are (the memory of
-    an open, below the compile's own peak), and nothing need be imported again to serve."""
+    None: the prefill blobs then stay imported while the generate blobs are (an open's
+    memory beside what the compile still holds), and nothing need be imported again to serve."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from, serving
     from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
