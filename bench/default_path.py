@@ -31,7 +31,7 @@ Ratios are kvc over the peer, medians of --reps runs (for TTFT and decode, the m
 round's ratio); the machine is shared, so read ratios.
 
     /work/fxvenv/bin/python bench/build_model.py        # once: bench/.models/llama-250m-fp32
-    python bench/default_path.py [--reps 3] [--only compile,disk,open,ttft,decode]
+    python bench/default_path.py [--reps 3] [--only compile,ready,disk,open,ttft,decode]
 """
 
 from __future__ import annotations
