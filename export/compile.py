@@ -413,7 +413,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    from kvc.verify.compiled import selects
+    from kvc.verify.compiled import probe_cases, selects
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
     # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
@@ -445,8 +445,6 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     from kvc.runtime.interpreter import EvaluationError
 
     try:
-        from kvc.verify.compiled import probe_cases
-
         cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
                                                                 options, progress, compiler, compile_for)

@@ -102,7 +102,7 @@ class DeviceCompiler:
             server.stdin.write(json.dumps(request) + "\n")
             server.stdin.flush()
             line = server.stdout.readline()
-        except (BrokenPipeError, OSError, ValueError):  # ValueError: closed by `close` meanwhile
+        except (OSError, ValueError):  # a broken pipe; ValueError: closed by `close` meanwhile
             line = ""
         if not line:
             status = server.wait()

@@ -221,8 +221,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         prefilled.append((run, pipe.copy_rows(0, len(prompt))))
         if on_step is not None:
             on_step(i, steps)
-    for session in (*pipe.prefill_sessions.values(), *pipe.first_sessions.values()):
-        if not keep:
+    if not keep:
+        for session in (*pipe.prefill_sessions.values(), *pipe.first_sessions.values()):
             session.release()
     rows = []
     for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):
