@@ -108,7 +108,8 @@ def trim_heap() -> None:
     where there is no glibc). Memory that OpenVINO and numpy free stays in malloc's arenas,
     counted in the process's RSS, until the heap is trimmed: after `compile_and_open` on the
     250M Llama the process held 1.45 GB of it with the NPU's pipeline (NPUW frees its
-    import's copies at the first inference), 77 MB with the CPU's."""
+    import's copies at the first inference), 77 MB with the CPU's. An open trims after each
+    imported model's first inference (kvc.export.load)."""
     try:
         import ctypes
 

@@ -11,7 +11,7 @@ or a comparison never needs to know which engine it drives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 import openvino as ov
@@ -118,6 +118,9 @@ class OpenVINOSession:
     # What the model's constants point into when it was read over a shared mapping of its
     # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
     weights_mapping: object | None = None
+    # Called once, after the first inference (kvc.export.load: an imported blob's plugin frees
+    # what its import held there, and the heap is trimmed).
+    after_first_inference: Callable[[], None] | None = None
 
     def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None,
                  *, exact: bool = True):
@@ -183,8 +186,12 @@ class OpenVINOSession:
             result = self.request.infer(feed)
         except RuntimeError as exc:
             raise DeviceError(f"inference on {self.device} failed: {openvino_reason(exc)}") from None
-        return TensorMap((names, as_bf16(v) if bf16 else np.array(v, copy=True))
-                         for names, v, bf16 in zip(self._outputs, result.values(), self._bf16_outputs))
+        outputs = TensorMap((names, as_bf16(v) if bf16 else np.array(v, copy=True))
+                            for names, v, bf16 in zip(self._outputs, result.values(), self._bf16_outputs))
+        if self.after_first_inference is not None:
+            hook, self.after_first_inference = self.after_first_inference, None
+            hook()
+        return outputs
 
     def reset(self) -> None:
         self.request.reset_state()
