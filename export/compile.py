@@ -666,8 +666,9 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
         _phase(options, f"compile for {', '.join(beside)}, meanwhile verify the IR (numpy) against the source", work)
         compiling = _Beside(lambda: [compile_for(device) for device in beside])
         try:
-            verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
-                                               progress)
+            with one_blas_thread():
+                verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
+                                                   progress)
             compiling.result()
         except BaseException:
             compiler.close(kill=True)  # its thread's wait for a reply ends
@@ -683,6 +684,18 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     if options.recorder is not None and ir_gens is not None:  # a phase of its own, after the compiles
         options.recorder.probes(model_path, cases, ir_gens, work)
     return verification, ir_gens
+
+
+def one_blas_thread():
+    """numpy's BLAS on one thread, while it lasts (threadpoolctl). Beside a device compile
+    (which keeps one core busy) a second BLAS thread bought nothing and cost its spinning:
+    OpenBLAS's threads wait for each other by busy-looping, and with the other core taken
+    half of its samples in `kvc compile` were those loops (blas_thread_server, inner_thread:
+    3.4 of 28 CPU-seconds, perf). The 250M Llama, three alternating runs with
+    OPENBLAS_NUM_THREADS=1: 12.1-12.9 s against 13.2-14.9, 17-18 CPU-seconds against 20-22."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,

@@ -243,6 +243,29 @@ def test_a_selecting_models_numpy_check_keeps_the_f16_bound(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+def test_the_verification_beside_the_cpu_compile_runs_blas_on_one_thread(tmp_path, monkeypatch):
+    """Beside the CPU's device compile a second BLAS thread only spins (one_blas_thread):
+    numpy's BLAS runs the IR's verification on one thread, and has its threads back after;
+    with --device NPU (compiled after the verification) the verification keeps them."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    import kvc.export.compile as compile_module
+
+    seen = []
+    verify = compile_module._verify_ir
+
+    def recording(*args, **kwargs):
+        seen.append({pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"})
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(compile_module, "_verify_ir", recording)
+    with threadpool_limits(limits=2, user_api="blas"):
+        compile_to(fixtures.path("llama"), tmp_path / "cpu", CompileOptions(SMALL))
+        compile_to(fixtures.path("llama"), tmp_path / "npu", CompileOptions(SMALL, devices=("NPU",)))
+        after = {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+    assert seen == [{1}, {2}] and after == {2}
+
+
 def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
     """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
     33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""
