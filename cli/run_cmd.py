@@ -28,7 +28,12 @@ def load_tokenizer(directory: Path):
 
 
 @click.command("run")
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Make OUT from this model first, unless OUT is already a compile of it (its files' sha256) for "
+                   "--backend's device: kvc compile's defaults, verification on, and the pipeline then serves the "
+                   "blobs the compile checked, in this process (nothing imported twice).")
+@click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
@@ -71,36 +76,54 @@ def load_tokenizer(directory: Path):
 @click.option("--chunk-repair", type=click.IntRange(min=0), default=None,
               help="With --chunk-reuse: tokens recomputed after each seam (default: one prefill chunk).")
 @json_option
-def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, eos, ignore_eos, stream, backend,
-        from_ir, check, requests_path, prefix_cache, prefix_caching_block_size, prefix_caching_max_num_blocks,
-        prefix_caching_max_bytes, retention_policy, events_path, chunk_reuse, chunk_repair, as_json):
-    """Generate from a prompt through the compiled prefill and generate models (greedy unless
-    --temperature; stopping at the model's end-of-sequence ids), or replay a workload of
-    requests (--requests) with a prefix cache and chat sessions."""
-    from kvc.export.load import open_compiled
+def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, eos, ignore_eos,
+        stream, backend, from_ir, check, requests_path, prefix_cache, prefix_caching_block_size,
+        prefix_caching_max_num_blocks, prefix_caching_max_bytes, retention_policy, events_path, chunk_reuse,
+        chunk_repair, as_json):
+    """Generate from a prompt through the compiled prefill and generate models in OUT (greedy
+    unless --temperature; stopping at the model's end-of-sequence ids), or replay a workload of
+    requests (--requests) with a prefix cache and chat sessions. With --compile-from MODEL, OUT
+    is compiled from MODEL first when it is not already a compile of it."""
     from kvc.runtime.sampling import Sampling, eos_ids
 
+    if source is None and force:
+        raise click.UsageError("--force goes with --compile-from")
+    if source is None and not out.is_dir():
+        raise click.BadParameter(f"Directory '{out}' does not exist.", param_hint="'OUT'")
+    if requests_path is not None and (prompt_ids is not None or text is not None):
+        raise click.UsageError("--requests replays its own prompts: leave out --prompt-ids and --prompt")
+    if requests_path is None and (prefix_cache or events_path is not None or chunk_reuse):
+        raise click.UsageError("--prefix-cache, --chunk-reuse and --events go with --requests")
+    if requests_path is None and (prompt_ids is None) == (text is None):
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if events_path is not None and not prefix_cache:
+        raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
+    if chunk_reuse and not prefix_cache:
+        raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
+    if chunk_repair is not None and not chunk_reuse:
+        raise click.UsageError("--chunk-repair goes with --chunk-reuse")
+    if stream and (text is None or as_json):
+        raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
+    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+    started = time.perf_counter()
+    pipeline, compiled = compile_if_needed(out, source, force, backend, from_ir)
+    load_seconds = time.perf_counter() - started
     stop = frozenset() if ignore_eos else (frozenset(eos) or eos_ids(out))
     sampling = Sampling(temperature, top_k, top_p, seed, stop)
     if requests_path is not None:
-        if prompt_ids is not None or text is not None:
-            raise click.UsageError("--requests replays its own prompts: leave out --prompt-ids and --prompt")
         return run_requests(out, requests_path, backend, from_ir, check, as_json, prefix_cache,
                             prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
-                            retention_policy, events_path, sampling, chunk_reuse, chunk_repair)
-    if prefix_cache or events_path is not None or chunk_reuse:
-        raise click.UsageError("--prefix-cache, --chunk-reuse and --events go with --requests")
-    if (prompt_ids is None) == (text is None):
-        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+                            retention_policy, events_path, sampling, chunk_reuse, chunk_repair, pipeline)
     tokenizer = load_tokenizer(out) if text is not None else None
-    ids = tokenizer.encode(text).ids if tokenizer else parse_ids(prompt_ids)
-    started = time.perf_counter()
-    pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
-    load_seconds = time.perf_counter() - started
+    ids = tokenizer.encode(text).ids if tokenizer else ids
+    if pipeline is None:
+        from kvc.export.load import open_compiled
+
+        started = time.perf_counter()
+        pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+        load_seconds += time.perf_counter() - started
     if stream is None:
         stream = tokenizer is not None and not as_json and sys.stdout.isatty()
-    if stream and (tokenizer is None or as_json):
-        raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
     streamer = TextStreamer(tokenizer) if stream else None
     gen = pipeline.generate(ids, max_new_tokens, sampling=sampling, on_token=streamer)
     if streamer is not None:
@@ -108,7 +131,7 @@ def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, 
     decoded = tokenizer.decode(gen.tokens) if tokenizer else None
     metrics = gen.metrics(load_seconds)
     if as_json:
-        echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend,
+        echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend, "compiled": compiled,
                    "finish_reason": gen.finish_reason, "eos_token_ids": sorted(stop),
                    "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
                    "variants": metrics["variants"], "metrics": metrics})
@@ -119,6 +142,37 @@ def run(out, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, 
         if decoded is not None:
             click.echo(f"text: {printable(decoded)}")
     click.echo(metrics_line(metrics, backend))
+
+
+def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str, from_ir: bool):
+    """--compile-from: compile `source` into `out` for the backend's device (CPU for numpy) with
+    `kvc compile`'s defaults, unless `out` already holds a compile of it for that device.
+    Returns (the pipeline the compile opened on its blobs, or None when `out` is to be opened:
+    not compiled, or a backend that runs the IR, numpy or --from-ir; whether it compiled). A
+    directory compiled from other files is refused without --force, never replaced."""
+    from kvc.cli.options import progress
+    from kvc.export.compile import CompileOptions, compile_and_open, compile_static, compile_to
+    from kvc.export.load import BACKEND_OF_DEVICE
+    from kvc.export.manifest import read_manifest, same_source
+
+    if source is None:
+        return None, False
+    device = {b: d for d, b in BACKEND_OF_DEVICE.items()}.get(backend, "CPU")
+    if out.exists() and not force:
+        manifest = read_manifest(out)
+        if not same_source(manifest, source):
+            raise UsageError(f"{out} holds a compile of other files than {source} ({manifest['source'].get('path')}); "
+                             f"pass --force to compile {source} into it, or give another OUT")
+        if device not in manifest["devices"]:
+            raise UsageError(f"{out} is a compile of {source} for {', '.join(manifest['devices'])}, not {device} "
+                             f"(--backend {backend}); pass --force to compile it again for {device}")
+        progress(f"{out} is a compile of {source}: running it")
+        return None, False
+    options = CompileOptions(compile_static((device,)), (device,), force=force)
+    if backend == "numpy" or from_ir:
+        compile_to(source, out, options, progress=progress)
+        return None, True
+    return compile_and_open(source, out, options, progress=progress)[1], True
 
 
 class TextStreamer:
@@ -144,22 +198,17 @@ class TextStreamer:
 
 def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool, as_json: bool, prefix_cache: bool,
                  block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None, sampling,
-                 chunk_reuse: bool = False, chunk_repair: int | None = None) -> None:
+                 chunk_reuse: bool = False, chunk_repair: int | None = None, pipeline=None) -> None:
     from kvc.cache.prefix import PrefixCache
     from kvc.cache.requests import read_requests
     from kvc.cache.serving import CachedPipeline, replay
     from kvc.export.load import open_compiled
 
     entries = read_requests(path)
-    if events_path is not None and not prefix_cache:
-        raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
-    if chunk_reuse and not prefix_cache:
-        raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
-    if chunk_repair is not None and not chunk_reuse:
-        raise click.UsageError("--chunk-repair goes with --chunk-reuse")
     needs_text = any(getattr(e, "prompt", None) is not None for e in entries)
     tokenizer = load_tokenizer(out) if needs_text else None
-    pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+    if pipeline is None:
+        pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
     cache = None
     if prefix_cache:
         cache = PrefixCache(block_size or pipeline.lengths.chunk or 1, max_blocks, max_bytes,

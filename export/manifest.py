@@ -67,6 +67,13 @@ def source_hashes(path: Path) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in source_files(path)}
 
 
+def same_source(manifest: dict, path: Path) -> bool:
+    """Whether a compiled directory's manifest records the files of the model at `path` (by
+    name and sha256, wherever the model now lies)."""
+    source = manifest["source"]
+    return isinstance(source, dict) and source.get("sha256") == source_hashes(path)
+
+
 def recorded_source(manifest: dict, directory: str | Path) -> Path:
     """The source model a compiled directory was made from, checked unchanged: missing is a
     UsageError (give --against), changed is an InvalidModelError naming the file."""

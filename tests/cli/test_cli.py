@@ -199,6 +199,42 @@ def test_run_errors(compiled, tmp_path):
     assert "not a kvc compiled directory" in kvc("run", tmp_path, "--prompt-ids", "1", code=3).output
 
 
+def test_run_compile_from_compiles_once_then_runs_what_it_compiled(tmp_path):
+    """`kvc run OUT --compile-from MODEL`: OUT absent, MODEL is compiled into it (kvc compile's
+    defaults, verified) and served in the same process; OUT a compile of MODEL's files, it is
+    run as it is; OUT a compile of other files, it is refused and left alone unless --force."""
+    golden = fixtures.goldens("llama")["prompts"][0]
+    ids = ",".join(map(str, golden["ids"]))
+    out = tmp_path / "out"
+    first = kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", ids, "--max-new-tokens", "24",
+                "--json")
+    data = json.loads(first.stdout)
+    assert data["compiled"] and data["tokens"] == golden["tokens"]["openvino"]
+    assert "verifying the static pipeline" in first.stderr and (out / "manifest.json").is_file()
+    manifest = (out / "manifest.json").read_bytes()
+    again = kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", ids, "--max-new-tokens", "24",
+                "--json")
+    assert not json.loads(again.stdout)["compiled"] and json.loads(again.stdout)["tokens"] == data["tokens"]
+    assert f"{out} is a compile of" in again.stderr and "verifying" not in again.stderr
+    other = kvc("run", out, "--compile-from", fixtures.path("qwen2"), "--prompt-ids", "1,2", code=2)
+    assert "holds a compile of other files" in other.output and "--force" in other.output
+    assert (out / "manifest.json").read_bytes() == manifest
+    npu = kvc("run", out, "--compile-from", fixtures.path("llama"), "--backend", "npu", "--prompt-ids", "1,2", code=2)
+    assert "for CPU, not NPU" in npu.output and (out / "manifest.json").read_bytes() == manifest
+    forced = kvc("run", out, "--compile-from", fixtures.path("qwen2"), "--force", "--prompt-ids", "1,2", "--json")
+    assert json.loads(forced.stdout)["compiled"] and (out / "manifest.json").read_bytes() != manifest
+    assert "--force goes with --compile-from" in kvc("run", out, "--force", "--prompt-ids", "1", code=2).output
+    assert "does not exist" in kvc("run", tmp_path / "missing", "--prompt-ids", "1", code=2).output
+
+
+def test_run_compile_from_for_the_numpy_backend_runs_the_ir(tmp_path):
+    golden = fixtures.goldens("llama")["prompts"][0]
+    data = json.loads(kvc("run", tmp_path / "out", "--compile-from", fixtures.path("llama"), "--backend", "numpy",
+                          "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "24", "--json").stdout)
+    assert data["compiled"] and data["tokens"] == golden["tokens"]["openvino"]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["devices"] == ["CPU"]
+
+
 def test_verify_table_and_json(compiled):
     result = kvc("verify", compiled, "--backends", "numpy,openvino", "--max-new-tokens", "6")
     assert "verification: OK" in result.output and "backend" in result.output
