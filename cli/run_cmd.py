@@ -158,18 +158,20 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     if source is None:
         return None, False
     device = {b: d for d, b in BACKEND_OF_DEVICE.items()}.get(backend, "CPU")
+    runs_ir = backend == "numpy" or from_ir  # any compile's IR serves
     if out.exists() and not force:
         manifest = read_manifest(out)
         if not same_source(manifest, source):
-            raise UsageError(f"{out} holds a compile of other files than {source} ({manifest['source'].get('path')}); "
-                             f"pass --force to compile {source} into it, or give another OUT")
-        if device not in manifest["devices"]:
-            raise UsageError(f"{out} is a compile of {source} for {', '.join(manifest['devices'])}, not {device} "
-                             f"(--backend {backend}); pass --force to compile it again for {device}")
+            raise UsageError(f"{out} holds a compile of other files than {source}; pass --force to compile {source} "
+                             f"into it, or give another OUT")
+        devices = manifest["devices"] if isinstance(manifest["devices"], list) else []
+        if not runs_ir and device not in devices:
+            raise UsageError(f"{out} is a compile of {source} for {', '.join(map(str, devices)) or 'no device'}, not "
+                             f"{device} (--backend {backend}); pass --force to compile it again for {device}")
         progress(f"{out} is a compile of {source}: running it")
         return None, False
     options = CompileOptions(compile_static((device,)), (device,), force=force)
-    if backend == "numpy" or from_ir:
+    if runs_ir:
         compile_to(source, out, options, progress=progress)
         return None, True
     return compile_and_open(source, out, options, progress=progress)[1], True

@@ -690,9 +690,9 @@ def one_blas_thread():
     """numpy's BLAS on one thread, while it lasts (threadpoolctl). Beside a device compile
     (which keeps one core busy) a second BLAS thread bought nothing and cost its spinning:
     OpenBLAS's threads wait for each other by busy-looping, and with the other core taken
-    half of its samples in `kvc compile` were those loops (blas_thread_server, inner_thread:
-    3.4 of 28 CPU-seconds, perf). The 250M Llama, three alternating runs with
-    OPENBLAS_NUM_THREADS=1: 12.1-12.9 s against 13.2-14.9, 17-18 CPU-seconds against 20-22."""
+    more than half of OpenBLAS's samples in `kvc compile` were those loops (blas_thread_server,
+    inner_thread: 3.4 of the compile's 28 CPU-seconds, perf). The 250M Llama, four alternating
+    runs: 11.5-12.2 s against 13.1-13.8, 16.4-17.2 user CPU-seconds against 19.4-20.3."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=1, user_api="blas")

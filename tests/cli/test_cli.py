@@ -233,6 +233,10 @@ def test_run_compile_from_for_the_numpy_backend_runs_the_ir(tmp_path):
                           "--prompt-ids", ",".join(map(str, golden["ids"])), "--max-new-tokens", "24", "--json").stdout)
     assert data["compiled"] and data["tokens"] == golden["tokens"]["openvino"]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["devices"] == ["CPU"]
+    npu = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "npu", *SMALL, "--device", "NPU")
+    again = kvc("run", tmp_path / "npu", "--compile-from", fixtures.path("llama"), "--backend", "numpy",
+                "--prompt-ids", "1,2", "--json")  # the IR of a compile for any device serves numpy
+    assert not json.loads(again.stdout)["compiled"] and npu.exit_code == 0
 
 
 def test_verify_table_and_json(compiled):
