@@ -96,7 +96,7 @@ def registered() -> list[tuple[str, str | None]]:
 
 def spec_of(node: ov.Node) -> NodeSpec:
     def shape(ps: ov.PartialShape):
-        if ps.is_static:  # one call, where a static model's dims one by one cost 0.25 s to open
+        if ps.is_static:  # one call: dim by dim took 0.25 s of a numpy open of the bench model's five models
             return tuple(ps.to_shape())
         if ps.rank.is_dynamic:
             return None
