@@ -152,12 +152,12 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     directory compiled from other files is refused without --force, never replaced."""
     from kvc.cli.options import progress
     from kvc.export.compile import CompileOptions, compile_and_open, compile_static, compile_to
-    from kvc.export.load import BACKEND_OF_DEVICE
+    from kvc.export.load import DEVICE_OF_BACKEND
     from kvc.export.manifest import read_manifest, same_source
 
     if source is None:
         return None, False
-    device = {b: d for d, b in BACKEND_OF_DEVICE.items()}.get(backend, "CPU")
+    device = DEVICE_OF_BACKEND.get(backend, "CPU")  # numpy runs the IR of a compile for the CPU
     runs_ir = backend == "numpy" or from_ir  # any compile's IR serves
     if out.exists() and not force:
         manifest = read_manifest(out)

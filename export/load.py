@@ -26,8 +26,8 @@ from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSessio
 from kvc.runtime.static_pipeline import StaticPipeline
 
 BACKENDS = ("numpy", "openvino", "npu")
-_DEVICE = {"openvino": "CPU", "npu": "NPU"}
-BACKEND_OF_DEVICE = {device: backend for backend, device in _DEVICE.items()}
+DEVICE_OF_BACKEND = {"openvino": "CPU", "npu": "NPU"}
+BACKEND_OF_DEVICE = {device: backend for backend, device in DEVICE_OF_BACKEND.items()}
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
@@ -38,7 +38,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     this open imported (an If blob, export/branches.py, serves two models)."""
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
-    device = _DEVICE.get(backend)
+    device = DEVICE_OF_BACKEND.get(backend)
     blob = entry["blobs"].get(device)
     if _from_blob(entry, backend, from_ir):
         imports = imports or _Imports(directory, manifest, device)
@@ -65,7 +65,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
 
 def _from_blob(entry: dict, backend: str, from_ir: bool) -> bool:
     """Whether a model's session on `backend` imports its blob (else it reads its IR)."""
-    return backend != "numpy" and not from_ir and _DEVICE[backend] in entry["blobs"]
+    return backend != "numpy" and not from_ir and DEVICE_OF_BACKEND[backend] in entry["blobs"]
 
 
 @dataclasses.dataclass
@@ -166,7 +166,7 @@ def backend_config(manifest: dict, backend: str, *, from_ir: bool = False) -> di
     the blobs' import configuration, or the device's when compiled from the IR."""
     if backend == "numpy":
         return None
-    device = _DEVICE[backend]
+    device = DEVICE_OF_BACKEND[backend]
     blob = manifest["models"]["prefill"]["blobs"].get(device)
     return dict(blob["import_config"]) if blob is not None and not from_ir else _ir_config(blob, device)
 
@@ -207,7 +207,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
 
     made = []
     # models read from their IR share one mapping of weights.bin (`map_weights`)
-    device = _DEVICE.get(backend)
+    device = DEVICE_OF_BACKEND.get(backend)
     reads_ir = not all(_from_blob(m, backend, from_ir) for m in manifest["models"].values())
     mapped = map_weights(directory / manifest["weights"]) if reads_ir else None
     imports = _Imports(directory, manifest, device)

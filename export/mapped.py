@@ -75,6 +75,7 @@ in `HeldPages`' docstring.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -88,19 +89,19 @@ BEHIND_MARGIN = 64 << 20  # bytes the "behind" sweep keeps between its page-out 
 SWEEPS = ("all", "behind", "none")
 
 
-def _libc(name: str):
+def _libc(name: str, *argtypes):
+    """The C library's function `name`, taking `argtypes`; None where there is none."""
     try:
-        import ctypes
-
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        fn.argtypes = argtypes
         return fn
-    except (OSError, AttributeError):  # not Linux
+    except (OSError, AttributeError):  # not Linux, or not glibc
         return None
 
 
-_madvise = _libc("madvise")
-_mprotect = _libc("mprotect")
+_madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_mprotect = _libc("mprotect", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_malloc_trim = _libc("malloc_trim", ctypes.c_size_t)
 
 
 def trim_heap() -> None:
@@ -110,12 +111,8 @@ def trim_heap() -> None:
     250M Llama the process held 1.45 GB of it with the NPU's pipeline (NPUW frees its
     import's copies at the first inference), 77 MB with the CPU's. An open trims after each
     imported model's first inference (kvc.export.load)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _mappings(path: str | Path) -> list[tuple[int, int, str]]:
