@@ -12,6 +12,7 @@ its init input when the variable is empty; Assigns take effect when the call fin
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable, Collection, Iterable, Mapping
@@ -173,7 +174,6 @@ class Interpreter:
         steps: list[tuple[Callable, tuple[int, ...], tuple[int, ...], ov.Node]] = []
         self._inputs: list[tuple[tuple[str, ...], int, ov.Output]] = []
         self._results: list[tuple[tuple[str, ...], int]] = []
-        self._slot_names: dict[int, str] = {}
 
         def new_slots(node: ov.Node) -> tuple[int, ...]:
             out = []
@@ -212,9 +212,7 @@ class Interpreter:
                         continue
                 steps.append((kernel, ins, outs, node))
 
-        naming = name_model(self.model)
-        self._slot_names = {s: naming.value(node.output(port)) for (node, port), s in slot.items()
-                            if (node, port) in naming._values}
+        self._slots = slot
         self._n_slots = len(slot)
         self._consts = consts
         frees = _frees(steps, keep={s for _, s in self._results} | set(consts))
@@ -222,6 +220,15 @@ class Interpreter:
             _Step(k, ins, outs, frees[i], n, f"{n.get_type_name()} {n.get_friendly_name()}")
             for i, (k, ins, outs, n) in enumerate(steps)
         ]
+
+    @functools.cached_property
+    def _slot_names(self) -> dict[int, str]:
+        """Each value's stable name (kvc.ir.naming), for `trace` and `capture`: named when
+        first asked for, as a plain run needs none (0.12 s of a numpy open of the bench model's
+        five models)."""
+        naming = name_model(self.model)
+        return {s: naming.value(node.output(port)) for (node, port), s in self._slots.items()
+                if (node, port) in naming._values}
 
     @staticmethod
     def _try_fold(kernel, args, node) -> tuple[np.ndarray, ...] | None:

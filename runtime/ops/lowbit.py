@@ -14,8 +14,12 @@ are copied, once per prepared model:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import openvino as ov
+
+from kvc.runtime.ops.registry import static_dims
 
 
 def _unpack_nibbles(raw: np.ndarray, count: int, signed: bool) -> np.ndarray:
@@ -28,8 +32,8 @@ def _unpack_nibbles(raw: np.ndarray, count: int, signed: bool) -> np.ndarray:
 
 def constant_array(node: ov.Node) -> np.ndarray:
     etype = node.get_output_element_type(0).get_type_name()
-    shape = tuple(node.get_output_shape(0))
-    count = int(np.prod(shape)) if shape else 1
+    shape = static_dims(node.get_output_shape(0))
+    count = math.prod(shape)
     data = node.get_data()
     if etype in ("u4", "i4"):
         raw = np.asarray(data).view(np.uint8).reshape(-1)
