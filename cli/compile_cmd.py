@@ -115,6 +115,7 @@ def source_name(path: Path, bundled: bool) -> str:
 def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
     from kvc.export.manifest import model_order, shared_with
     from kvc.plan import chunk_label
+    from kvc.verify.compiled import probe_label
 
     L = manifest["plan"]["lengths"]
     click.echo(f"compiled {source or manifest['source']['path']} -> {out}")
@@ -140,8 +141,8 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
         click.echo("verification: skipped (--no-verify)")
     else:
         for r in v["results"]:
-            click.echo(f"verification: prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new: {r['reason']} "
+            click.echo(f"verification: {probe_label(r)}, {r['new_tokens']} new: {r['reason']} "
                        f"(max abs {r['max_abs']:.2g})")
     for r in manifest.get("blob_check", []):
-        click.echo(f"blobs: {r['device']}, prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new "
+        click.echo(f"blobs: {r['device']}, {probe_label(r)}, {r['new_tokens']} new "
                    f"(variants {', '.join(map(str, r['variants'])) or '-'}): {r['reason']}")

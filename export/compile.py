@@ -445,7 +445,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     from kvc.runtime.interpreter import EvaluationError
 
     try:
-        cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens)
+        cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens,
+                            window=model_window(resolve(model_path).root))
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
                                                                 options, progress, compiler, compile_for)
         for device in options.devices:
@@ -495,15 +496,29 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
 _MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
-def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
-    """The maximum positions the model's config.json states (learned position tables and
-    precomputed ALiBi or band tables stop there), as (key, value); None when it states none."""
+def _model_config(source_dir: Path) -> dict:
+    """The model's config.json as a dict ({} when absent or not an object)."""
     try:
         config = json.loads((source_dir / "config.json").read_text())
     except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def model_window(source_dir: Path) -> int | None:
+    """The sliding window the model's config.json states (`sliding_window`, unless
+    `use_sliding_window` is false), for the compile's window probe; None when it states none."""
+    config = _model_config(source_dir)
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False or isinstance(window, bool) or not isinstance(window, int):
         return None
-    if not isinstance(config, dict):
-        return None
+    return window if window > 0 else None
+
+
+def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
+    """The maximum positions the model's config.json states (learned position tables and
+    precomputed ALiBi or band tables stop there), as (key, value); None when it states none."""
+    config = _model_config(source_dir)
     key = next((k for k in _MAX_POSITIONS_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
     return None if key is None else (key, config[key])
 
@@ -703,7 +718,7 @@ def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, sele
     """Nothing is published unless it works: the static IR as written, on kvc's numpy runtime,
     against the source on OpenVINO CPU f32, on the probe `cases`; the verification's result and
     the IR's generations (the blob check's reference)."""
-    from kvc.verify.compiled import ir_generations, verify_static
+    from kvc.verify.compiled import ir_generations, probe_label, verify_static
 
     progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
     ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
@@ -712,7 +727,7 @@ def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, sele
     if not verification["ok"]:
         bad = next(r for r in verification["results"] if not r["ok"])
         raise VerificationError(
-            f"the compiled pipeline does not reproduce {model_path}: prompt of {bad['prompt_tokens']} tokens: "
+            f"the compiled pipeline does not reproduce {model_path}: {probe_label(bad)}: "
             f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
     return verification, ir_gens
 
@@ -722,7 +737,7 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
     """Every blob imported as `kvc run` imports it and run on the probe `cases`, against the
     IR's generations `ir_gens` (only for finite logits with --no-verify): the rows, and the
     pipeline over the blobs of the device `serve` (else None)."""
-    from kvc.verify.compiled import check_blobs
+    from kvc.verify.compiled import check_blobs, probe_label
 
     rows, pipeline = [], None
     for device in options.devices:
@@ -736,7 +751,7 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
         bad = next((r for r in rows if not r["ok"]), None)
         if bad is not None:
             raise VerificationError(
-                f"the {device} blobs do not reproduce the static IR: prompt of {bad['prompt_tokens']} tokens: "
+                f"the {device} blobs do not reproduce the static IR: {probe_label(bad)}: "
                 f"{bad['reason']}; nothing was written (kvc compile --device CPU --no-verify and "
                 f"kvc run --from-ir to compare{_bf16_hint(manifest, device)})")
     return rows, pipeline

@@ -104,13 +104,15 @@ class CompileRecorder:
         from kvc.ir.reader import load
         from kvc.runtime.generate import greedy
         from kvc.runtime.session import OpenVINOSession
+        from kvc.verify.compiled import probe_row
 
         self.phase("report: reference per step", work)
         reference = OpenVINOSession(load(source), "CPU")
         self.against = "the static IR on kvc's numpy runtime against the source model on OpenVINO CPU f32"
-        for (prompt, n, _), got in zip(cases, ir_gens):
-            self.probe_steps.append({"prompt_tokens": len(prompt), "new_tokens": n,
-                                     **per_step(greedy(reference, prompt, n), got)})
+        for probe, got in zip(cases, ir_gens):
+            self.probe_steps.append({**probe_row(probe),
+                                     **per_step(greedy(reference, probe.prompt, probe.new_tokens, origin=probe.origin),
+                                                got)})
 
     def finish(self, work: Path, dumps: Path | None) -> None:
         """Close the last phase; with a dump directory, write the record beside the dumps."""

@@ -273,6 +273,8 @@ VERIFY_HEADERS = ("prompt tokens", "new tokens", "ok", "max abs", "NRMSE", "top-
 
 
 def _verification(d: ReportData) -> str:
+    from kvc.verify.compiled import probe_label
+
     v, blob_rows = _checked(d.manifest, d.directory)
     parts = []
     if v is None:
@@ -298,7 +300,7 @@ def _verification(d: ReportData) -> str:
             margins = [(m, s) for s, m in enumerate(probe["margin"]) if m is not None]
             worst = max(errs) if errs else None
             closest = min(margins) if margins else None
-            caption = (f"prompt of {probe['prompt_tokens']} tokens, {probe['new_tokens']} new: "
+            caption = (f"{probe_label(probe)}, {probe['new_tokens']} new: "
                        + (f"largest error {worst[0]:.3g} (step {worst[1]})" if worst else "no error measured")
                        + (f", smallest margin {closest[0]:.3g} (step {closest[1]})" if closest else "")
                        + ("" if probe["compared"] >= len(probe["error"]) else

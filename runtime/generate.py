@@ -40,14 +40,16 @@ class Generation:
     cache: dict[str, np.ndarray] | None = None
 
 
-def step_inputs(session: Session, ids: np.ndarray, past_len: int) -> dict[str, np.ndarray]:
+def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 0) -> dict[str, np.ndarray]:
     """The inputs optimum's exports take for `ids` after `past_len` cached tokens, restricted
-    to those the session has."""
+    to those the session has; `origin`: the first token's position (where position_ids says
+    it: a model without them counts from 0)."""
     batch, n = ids.shape
+    first = origin + past_len
     full = {
         "input_ids": ids,
         "attention_mask": np.ones((batch, past_len + n), np.int64),
-        "position_ids": np.broadcast_to(np.arange(past_len, past_len + n, dtype=np.int64), (batch, n)).copy(),
+        "position_ids": np.broadcast_to(np.arange(first, first + n, dtype=np.int64), (batch, n)).copy(),
         "beam_idx": np.arange(batch, dtype=np.int32),
     }
     return {k: v for k, v in full.items() if session.has_input(k)}
@@ -106,9 +108,10 @@ def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
 
 
 def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
-           reset: bool = True, keep_cache: bool = False) -> Generation:
+           reset: bool = True, keep_cache: bool = False, origin: int = 0) -> Generation:
     """Greedy decoding of one prompt (batch 1): argmax each step, no early stop; with
-    `keep_cache`, the cache it leaves in `Generation.cache`."""
+    `keep_cache`, the cache it leaves in `Generation.cache`; `origin`: the prompt's first
+    position (`step_inputs`)."""
     ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
     if ids.shape[1] == 0:
         raise UsageError("the prompt is empty")
@@ -120,7 +123,7 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
     past_len = 0
     step_ids = ids
     for step in range(max_new_tokens):
-        feed = step_inputs(session, step_ids, past_len)
+        feed = step_inputs(session, step_ids, past_len, origin)
         feed.update(past)
         out = session.infer(feed)
         logits = out["logits"][0]

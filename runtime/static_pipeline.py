@@ -53,6 +53,7 @@ class StaticGeneration(Generation):
     placed_tokens: int = 0  # prompt tokens whose rows were reused from another context: approximate (chunk reuse)
     finish_reason: str = "length"  # "stop": an end-of-sequence token ended it
     kv_rows: int = 0  # cache rows valid after the call: the prompt, then every generated token but the last
+    origin: int = 0  # the prompt's first position: the rows before it are empty (compile's far probes)
 
     def metrics(self, load_seconds: float | None = None) -> dict:
         """What openvino.genai's PerfMetrics report, in milliseconds: TTFT (the prefill, which
@@ -152,11 +153,12 @@ class StaticPipeline:
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
 
-    def _prefill(self, prompt: np.ndarray, start: int = 0,
-                 skip: tuple[tuple[int, int], ...] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+    def _prefill(self, prompt: np.ndarray, start: int = 0, skip: tuple[tuple[int, int], ...] = (),
+                 origin: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
         """Fill the cache with the prompt from `start` on (rows before it are in place, and so
-        are the rows of each `skip` span); return the last position's logits and the computed
-        positions' logits (None unless every position was computed)."""
+        are the rows of each `skip` span; those before `origin` are empty and masked); return
+        the last position's logits and the computed positions' logits (None unless every
+        position was computed)."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if C:
             calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first)
@@ -171,7 +173,7 @@ class StaticPipeline:
             ids[0, size - k:] = chunk
             width = size if first else P  # the mask spans the past and the chunk's rows
             mask = np.zeros((1, width), np.int64)
-            mask[0, :stored] = 1
+            mask[0, origin:stored] = 1
             mask[0, width - k:] = 1
             pos = np.zeros((1, size), np.int64)
             pos[0, size - k:] = np.arange(stored, stored + k)
@@ -207,13 +209,14 @@ class StaticPipeline:
                 f"generate variant holds {L.capacity} positions (P {L.prompt} + R {L.response}), "
                 f"so at most {limit} tokens can follow this prompt")
 
-    def _decode_step(self, variant: int, token: int, stored: int) -> tuple[np.ndarray, bool]:
-        """One generate step on `variant` with `stored` rows in the cache; stores the new rows
-        and returns the step's last logits and whether the rows were stored."""
+    def _decode_step(self, variant: int, token: int, stored: int, origin: int = 0) -> tuple[np.ndarray, bool]:
+        """One generate step on `variant` with `stored` rows in the cache (those before
+        `origin` empty and masked); stores the new rows and returns the step's last logits and
+        whether the rows were stored."""
         G = self.lengths.tokens
         session = self.generate_sessions[variant]
         mask = np.zeros((1, variant), np.int64)
-        mask[0, :stored] = 1
+        mask[0, origin:stored] = 1
         mask[0, variant - G:] = 1
         ids, pos = np.array([[token]], np.int64), np.array([[stored]], np.int64)
         out = session.infer(self.step_feed(session, ids, mask, pos))
@@ -224,7 +227,7 @@ class StaticPipeline:
         return out["logits"][0, -1], kept
 
     def generate(self, prompt, new_tokens: int, *, reuse: int = 0, placed=(), sampling: Sampling | None = None,
-                 on_token=None, start_variant: int | None = None) -> StaticGeneration:
+                 on_token=None, start_variant: int | None = None, origin: int = 0) -> StaticGeneration:
         """Decoding (greedy unless `sampling` says otherwise): prefill, then one generate step
         per token on the smallest variant that holds the prompt and R (moving up a variant when
         its past is full), until `new_tokens` or a stop token of `sampling`. `on_token(id)` is
@@ -233,13 +236,13 @@ class StaticPipeline:
         `reuse`: the shared buffers already hold the KV rows of `prompt[:reuse]` (restored by a
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
         in chunks from there. It needs a chunked prefill and at least one token to compute.
-        `placed`: rows reused from another context (`prefill_prompt`). `start_variant`: see
-        `decode_from`."""
-        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed),
+        `placed`: rows reused from another context, and `origin`, the prompt's first position:
+        see `prefill_prompt`. `start_variant`: see `decode_from`."""
+        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed, origin=origin),
                                 sampling=sampling, on_token=on_token, start_variant=start_variant)
 
     def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0,
-                       placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = ()) -> "Prefilled":
+                       placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = (), origin: int = 0) -> "Prefilled":
         """The first half of `generate`: check the request and fill the cache with the prompt.
         `decode_from` finishes it, with the cache as this left it (or as `restore_rows` put
         it back).
@@ -247,12 +250,25 @@ class StaticPipeline:
         `placed`: (position, rows) pairs of KV rows to put at that position (after `reuse`,
         in order, not overlapping, never the last prompt token's row); the prefill computes
         only the positions no row covers, each chunk over everything before it (chunk-level
-        reuse, `kvc.cache.chunks`)."""
+        reuse, `kvc.cache.chunks`).
+
+        `origin`: the prompt's first position, a multiple of the chunk (a chunked prefill
+        only): the rows before it stay empty and every call masks them, as if the sequence
+        began there. What compile's far probes run (`kvc.verify.compiled.probe_cases`): the
+        last calls before P, over the last slots of each chunk model's past, at a few calls'
+        cost."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
             raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
-        n, L = len(prompt), self.lengths
+        L = self.lengths
+        if origin:
+            if reuse or placed or not L.chunk or origin % L.chunk or origin < 0:
+                raise UsageError(f"a prompt can start at position {origin} only alone, with a chunked prefill, at a "
+                                 f"multiple of the chunk ({L.chunk or 'none'})")
+            gen_prompt = [int(t) for t in prompt]
+            prompt = np.concatenate([np.full(origin, self.pad_token, np.int64), prompt])
+        n = len(prompt)
         self.check_fits(prompt, new_tokens)
         if reuse and not 0 < reuse < n:
             raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
@@ -277,10 +293,10 @@ class StaticPipeline:
         self._written = min(self._written, reuse)
         for at, rows in placed:
             self.restore_rows(rows, at)
-        gen = StaticGeneration(prompt=[int(t) for t in prompt], cached_tokens=reuse,
-                               placed_tokens=sum(b - a for a, b in skip))
+        gen = StaticGeneration(prompt=gen_prompt if origin else [int(t) for t in prompt], cached_tokens=reuse,
+                               placed_tokens=sum(b - a for a, b in skip), origin=origin)
         started = time.perf_counter()
-        last, gen.prompt_logits = self._prefill(prompt, reuse, tuple(skip))
+        last, gen.prompt_logits = self._prefill(prompt, max(reuse, origin), tuple(skip), origin)
         gen.prefill_seconds = time.perf_counter() - started
         if reuse or skip:
             gen.prompt_logits = None  # the restored positions' logits were not computed
@@ -294,7 +310,9 @@ class StaticPipeline:
         smallest variant that holds the prompt and R, or from `start_variant` (any variant
         with a free row: compile's switch probe starts a long prompt on a small variant to
         reach the next one in a few steps)."""
-        L, gen, last, n = self.lengths, run.generation, run.last, len(run.generation.prompt)
+        L, gen, last = self.lengths, run.generation, run.last
+        origin = gen.origin
+        n = origin + len(gen.prompt)  # the rows in the cache, empty ones before the origin included
         sizes = sorted(self.generate_sessions)
         variant = first_variant(L, n)
         if start_variant is not None:
@@ -318,11 +336,45 @@ class StaticPipeline:
                 return gen
             variant = step_variant(L, variant, stored)
             started = time.perf_counter()
-            last, kept = self._decode_step(variant, token, stored)
+            last, kept = self._decode_step(variant, token, stored, origin)
             stored += L.tokens
             gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
+
+
+    def decode_prompt(self, prompt, new_tokens: int, *, variant: int, origin: int) -> StaticGeneration:
+        """Greedy decoding on generate variant `variant` alone, the prompt fed to it a token a
+        step from position `origin` on (the rows before it empty and masked, as if the
+        sequence began there): compile's far probe of a variant (`kvc.verify.compiled.probe_cases`),
+        which reaches its last positions in a few steps, where a prompt from position 0 would
+        need a prefill and then one step a position. The logits are those of the new tokens."""
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        L = self.lengths
+        last_stored = origin + len(prompt) + new_tokens - 2  # the last step's past
+        if (L.tokens != 1 or variant not in self.generate_sessions or not len(prompt) or new_tokens < 1
+                or origin < 0 or last_stored > variant - L.tokens):
+            raise UsageError(f"cannot decode a {len(prompt)}-token prompt and {new_tokens} new tokens on generate "
+                             f"variant {variant} from position {origin}")
+        for spec in self.kv:
+            self.buffers[spec.input][self._rows(spec, 0, self._written)] = 0
+        self._written = 0
+        gen = StaticGeneration(prompt=[int(t) for t in prompt], origin=origin)
+        stored, kept = origin, True
+        for token in prompt:
+            last, kept = self._decode_step(variant, int(token), stored, origin)
+            stored += 1
+        while True:
+            token = int(np.argmax(last))
+            gen.tokens.append(token)
+            gen.logits.append(np.array(last, copy=True))
+            if len(gen.tokens) >= new_tokens:
+                break
+            last, kept = self._decode_step(variant, token, stored, origin)
+            stored += 1
+            gen.variants.append(variant)
+        gen.kv_rows = stored if kept else stored - 1
+        return gen
 
 
 def first_variant(lengths: LengthPlan, prompt_len: int) -> int:

@@ -76,36 +76,37 @@ def source_rows(cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for name, v in cache.items()}
 
 
-def source_run(session, prompt, new_tokens: int):
-    """Greedy decoding on the source model (`greedy`), its cache kept by the static models'
-    input names (`source_rows`): the reference of the cache check."""
+def source_run(session, prompt, new_tokens: int, origin: int = 0):
+    """Greedy decoding on the source model (`greedy`, from position `origin`), its cache kept
+    by the static models' input names (`source_rows`): the reference of the cache check."""
     from kvc.runtime.generate import greedy
 
-    gen = greedy(session, prompt, new_tokens, keep_cache=True)
+    gen = greedy(session, prompt, new_tokens, keep_cache=True, origin=origin)
     gen.cache = source_rows(gen.cache)
     return gen
 
 
-def held_rows(pipe, rows: int) -> dict[str, np.ndarray]:
-    """The first `rows` positions of every KV tensor a static pipeline on kvc's interpreter
-    holds, as f32 read the way its generate models read them (module docstring): copies, which
-    the next run does not overwrite."""
-    stored = stored_rows(pipe, rows)
+def held_rows(pipe, rows: int, origin: int = 0) -> dict[str, np.ndarray]:
+    """Positions `[origin, rows)` of every KV tensor a static pipeline on kvc's interpreter
+    holds (a run from `origin`, `StaticGeneration.origin`), as f32 read the way its generate
+    models read them (module docstring): copies, which the next run does not overwrite."""
+    stored = stored_rows(pipe, rows, origin)
     if stored is not None:
         return stored
-    return _dequantized(pipe, [spec.input for spec in pipe.kv if not spec.kind.endswith("_scale")], rows)
+    return _dequantized(pipe, [spec.input for spec in pipe.kv if not spec.kind.endswith("_scale")], rows, origin)
 
 
-def stored_rows(pipe, rows: int) -> dict[str, np.ndarray] | None:
-    """The first `rows` positions of every KV tensor any static pipeline holds, as f32 copies:
+def stored_rows(pipe, rows: int, origin: int = 0) -> dict[str, np.ndarray] | None:
+    """Positions `[origin, rows)` of every KV tensor any static pipeline holds, as f32 copies:
     the rows as read for an f32, f16 or bf16 cache; None for an int8 cache (its rows are read
     through the generate models' dequantization, which only kvc's interpreter exposes)."""
     if any(spec.kind.endswith("_scale") for spec in pipe.kv):
         return None
-    return {spec.input: np.array(pipe.past_view(spec, rows), np.float32) for spec in pipe.kv}
+    return {spec.input: np.array(pipe.past_view(spec, rows)[pipe._rows(spec, origin, rows)], np.float32)
+            for spec in pipe.kv}
 
 
-def _dequantized(pipe, names: list[str], rows: int) -> dict[str, np.ndarray]:
+def _dequantized(pipe, names: list[str], rows: int, origin: int = 0) -> dict[str, np.ndarray]:
     """int8 rows as the largest generate model dequantizes them: one step of it on kvc's
     interpreter, capturing each input's `dequantize_name` value (what feeds its attention)."""
     from kvc.errors import VerificationError
@@ -127,7 +128,7 @@ def _dequantized(pipe, names: list[str], rows: int) -> dict[str, np.ndarray]:
         wanted[naming.value(node.output(0))] = name
     G = pipe.lengths.tokens
     mask = np.zeros((1, size), np.int64)
-    mask[0, :rows] = 1
+    mask[0, origin:rows] = 1
     mask[0, size - G:] = 1
     feed = StaticPipeline.step_feed(session, np.zeros((1, G), np.int64), mask, np.full((1, G), rows, np.int64))
     _, captured = session.capture(feed, set(wanted))
@@ -135,7 +136,7 @@ def _dequantized(pipe, names: list[str], rows: int) -> dict[str, np.ndarray]:
     out = {}
     for value, name in wanted.items():
         index = [slice(None)] * captured[value].ndim
-        index[spec_of[name].seq_axis] = slice(0, rows)
+        index[spec_of[name].seq_axis] = slice(origin, rows)
         out[name] = np.asarray(captured[value][tuple(index)], np.float32)
     return out
 

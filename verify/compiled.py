@@ -9,18 +9,29 @@ import numpy as np
 from kvc.export.build import StaticModels
 
 class Probe(NamedTuple):
-    """A compile probe: the prompt, how many tokens to generate, and the generate variant to
-    start on (None: the runtime's own choice, the smallest that holds the prompt and R)."""
+    """A compile probe: the prompt, how many tokens to generate, the generate variant to start
+    on (None: the runtime's own choice, the smallest that holds the prompt and R), and the
+    prompt's first position `origin` (the rows before it empty and masked); with `decode`, the
+    prompt is fed to the `start` variant alone, a token a step (`StaticPipeline.decode_prompt`)."""
 
     prompt: list[int]
     new_tokens: int
     start: int | None = None
+    origin: int = 0
+    decode: bool = False
+
+
+def run_probe(pipe, probe: Probe):
+    """A probe through a static pipeline (any backend): its StaticGeneration."""
+    if probe.decode:
+        return pipe.decode_prompt(probe.prompt, probe.new_tokens, variant=probe.start, origin=probe.origin)
+    return pipe.generate(probe.prompt, probe.new_tokens, start_variant=probe.start, origin=probe.origin)
 
 
 BULK_TOKENS = 2
 
 
-def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]:
+def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None) -> list[Probe]:
     """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
     at most P) that generates `tokens` new tokens (at most what fits), the generate models'
     probe; then prompts until every chunk model has run over a real past and every first-chunk
@@ -46,15 +57,32 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
     to the switch took R + 2 steps, 130 of them on kvc's numpy runtime for a 250M model with
     variants 640 and 1152 (20 s of a 31 s compile); a 7-token prompt run to it took T1 steps.
 
+    Then the far probes (`_far_probes`), which run every model at the last positions and
+    slots it can be called on, where no prompt from position 0 reaches at the cost of a few
+    calls: each chunk model's last call before P over rows written just before it, and each
+    generate variant's last two steps. Without them the checks ran positions up to 26 of 128
+    (the llama fixture at P 64): a generate model whose positions were clamped to P - 1, a
+    chunk model that read only the first C slots of its past, were published. The probes from
+    position 0 above still run each chunk model over the first slots of its past (a far probe
+    reads only the last ones); a variant the far probes run needs no short prompt started on
+    it below.
+
     Every variant no probe above runs (with three or more, `variants_run`) gets a short prompt
     started on it and BULK_TOKENS: one step on it (a variant of four that no probe reached was
-    published with its past values halved)."""
+    published with its past values halved).
+
+    A sliding `window` (the model's config.json) that the capacity exceeds gets a probe from
+    position 0 whose last step attends past it, unless one above does: min(P, W + 9) tokens,
+    decoded on to position W + 2 at least (far probes start over empty rows, which no window
+    drops: with them alone, starcoder2 numbering its past from 1 in the window's comparison
+    was published)."""
     from kvc.runtime.static_pipeline import max_new_tokens, variants_run
 
     rng = np.random.default_rng(seed)
     cases = []
     short = min(plan.prompt, 7) if plan.chunk else min(plan.prompt, 33)
     cases.append(Probe(rng.integers(1, vocab, short).tolist(), min(tokens, max_new_tokens(plan, short))))
+    far = _far_probes(plan)
     for length in _model_probes(plan, [short]):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
@@ -64,11 +92,47 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]
         n = first - length + plan.tokens + 1
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(n, max_new_tokens(plan, length)), first))
     run = {v for probe in cases for v in variants_run(plan, len(probe.prompt), probe.new_tokens, probe.start)}
+    run |= {size for size, origin, decode in far if decode}
     for size in plan.sizes:
         if size not in run and short <= size - plan.tokens:
             n = min(tokens, BULK_TOKENS, max_new_tokens(plan, short))
             cases.append(Probe(rng.integers(1, vocab, short).tolist(), n, size))
+    if window is not None and window + 3 <= plan.capacity and all(
+            len(probe.prompt) + probe.new_tokens < window + 3 for probe in cases):
+        length = min(plan.prompt, window + 9)
+        n = min(max(BULK_TOKENS, window + 3 - length), max_new_tokens(plan, length))
+        cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
+    for size, origin, decode in far:
+        if decode:  # one token at the variant's last but one position, then the last step
+            cases.append(Probe(rng.integers(1, vocab, 1).tolist(), 2, size, origin, True))
+        else:  # a call of the smallest chunk, then the chunk model's call that ends at P
+            length = size + plan.chunk
+            cases.append(Probe(rng.integers(1, vocab, length).tolist(),
+                               min(tokens, BULK_TOKENS, max_new_tokens(plan, origin + length)), None, origin))
     return cases
+
+
+def _far_probes(plan) -> list[tuple[int, int, bool]]:
+    """The far probes (`probe_cases`), as (size, origin, decode): for each chunk or bulk model
+    of `size` rows whose last call, from P - size, `prefill_calls` reaches from origin
+    P - size - C (a call of C first, writing the rows its past ends on), that origin; for
+    each generate variant of a single token, its last but one position, decoded
+    (`StaticPipeline.decode_prompt`). Each runs from its origin over empty rows before it
+    (`StaticPipeline.prefill_prompt`), the source model from that position (`greedy`)."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    far = []
+    if plan.chunk:
+        sizes = (plan.chunk, *plan.bulk)
+        for size in sizes:
+            origin = plan.prompt - size - plan.chunk
+            calls = (list(prefill_calls(origin, plan.prompt, (), plan.prompt, sizes, plan.first))
+                     if origin >= 0 and origin % plan.chunk == 0 else [])
+            if calls and calls[-1] == (plan.prompt - size, plan.prompt, size, False) and len(calls) == 2:
+                far.append((size, origin, False))
+    if plan.tokens == 1:
+        far += [(size, size - 2, True) for size in plan.sizes if size >= 2]
+    return far
 
 
 def _model_probes(plan, lengths: list[int]) -> list[int]:
@@ -125,8 +189,8 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     pipeline = pipeline_from(Path(directory), manifest, "numpy")
     gens = []
     for i, probe in enumerate(cases, 1):
-        gen = pipeline.generate(probe.prompt, probe.new_tokens, start_variant=probe.start)
-        gen.cache = held_rows(pipeline, gen.kv_rows)  # for `judge_run`'s cache check
+        gen = run_probe(pipeline, probe)
+        gen.cache = held_rows(pipeline, gen.kv_rows, gen.origin)  # for `judge_run`'s cache check
         gens.append(gen)
         if on_case is not None:
             on_case(i)
@@ -148,12 +212,28 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     limit = nrmse_limit(kv_types)  # f32 arithmetic: never the selecting bound
     bound = step_limit(kv_types, selecting)
     results = []
-    for (prompt, n, _), got in zip(cases, ir_gens):
-        results.append({"backend": "numpy", "prompt_tokens": len(prompt), "new_tokens": n,
-                        **judge_run(source_run(reference, prompt, n), got, static.plan.kv, reduced=reduced,
-                                    limit=limit, step_bound=bound)})
+    for probe, got in zip(cases, ir_gens):
+        results.append({"backend": "numpy", **probe_row(probe),
+                        **judge_run(source_run(reference, probe.prompt, probe.new_tokens, probe.origin), got,
+                                    static.plan.kv, reduced=reduced, limit=limit, step_bound=bound)})
     return {"against": "source model on OpenVINO CPU f32", "ok": all(r["ok"] for r in results),
             "results": results}
+
+
+def probe_label(row: dict) -> str:
+    """How a verification row names its probe: "prompt of 32 tokens from position 992"."""
+    n = row["prompt_tokens"]
+    where = f" from position {row['from_position']}" if row.get("from_position") else ""
+    return f"prompt of {n} token{'s' if n != 1 else ''}{where}"
+
+
+def probe_row(probe: Probe) -> dict:
+    """What a verification row says of its probe: the prompt and new tokens, and where a far
+    probe starts (`probe_cases`)."""
+    row = {"prompt_tokens": len(probe.prompt), "new_tokens": probe.new_tokens}
+    if probe.origin:
+        row["from_position"] = probe.origin
+    return row
 
 
 def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "the source model's",
@@ -174,7 +254,8 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
     if ref.cache is None or got.cache is None:
         return row
     div = first_divergence(ref.tokens, got.tokens)
-    rows = min(len(ref.prompt) + (len(ref.tokens) - 1 if div is None else div), getattr(got, "kv_rows", 0))
+    rows = min(len(ref.prompt) + (len(ref.tokens) - 1 if div is None else div),
+               getattr(got, "kv_rows", 0) - getattr(got, "origin", 0))
     every_layer = not policy.get("reduced") or policy.get("step_bound", STEP_ERROR) is not None
     cache = compare_cache(ref.cache, got.cache, kv, rows, every_layer=every_layer, bounds=row_bounds,
                           against=against)
@@ -216,25 +297,33 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     # more memory than the compile.
     steps = 2 * len(cases)
     prefilled = []
-    for i, (prompt, n, _) in enumerate(cases, 1):
-        run = pipe.prefill_prompt(prompt, n)
-        prefilled.append((run, pipe.copy_rows(0, len(prompt))))
+    for i, probe in enumerate(cases, 1):
+        if probe.decode:  # fed to a generate variant alone: nothing to prefill
+            prefilled.append(None)
+        else:
+            run = pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin)
+            prefilled.append((run, pipe.copy_rows(probe.origin, probe.origin + len(probe.prompt))))
         if on_step is not None:
             on_step(i, steps)
     if not keep:
         for session in (*pipe.prefill_sessions.values(), *pipe.first_sessions.values()):
             session.release()
     rows = []
-    for i, ((prompt, n, start), (run, kv)) in enumerate(zip(cases, prefilled)):
-        for buffer in pipe.buffers.values():
-            buffer[...] = 0
-        pipe.restore_rows(kv, 0)
-        got = pipe.decode_from(run, start_variant=start)
+    for i, (probe, done) in enumerate(zip(cases, prefilled)):
+        if done is None:
+            got = run_probe(pipe, probe)
+        else:
+            run, kv = done
+            for buffer in pipe.buffers.values():
+                buffer[...] = 0
+            pipe.restore_rows(kv, probe.origin)
+            got = pipe.decode_from(run, start_variant=probe.start)
         if on_step is not None:
             on_step(len(cases) + i + 1, steps)
-        row = {"device": device, "prompt_tokens": len(prompt), "new_tokens": n, "variants": sorted(set(got.variants))}
+        prompt = probe.prompt
+        row = {"device": device, **probe_row(probe), "variants": sorted(set(got.variants))}
         if ir_gens is not None:
-            got.cache = stored_rows(pipe, got.kv_rows)
+            got.cache = stored_rows(pipe, got.kv_rows, got.origin)
             row.update(judge_run(ir_gens[i], got, pipe.plan.kv, reduced=reduced, limit=limit, step_bound=bound,
                                  row_bounds=blob_bounds, against="the IR's"))
             if not row["ok"] and peer is not None:

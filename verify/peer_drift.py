@@ -113,7 +113,7 @@ class Peer:
             from kvc.runtime.session import OpenVINOSession
 
             self._session = OpenVINOSession(load(self.source), "CPU", self.config, exact=False)
-        peer = source_run(self._session, prompt, new_tokens)
+        peer = source_run(self._session, prompt, new_tokens, getattr(exact, "origin", 0))  # a far probe's start
         if not hasattr(exact, "kv_rows"):  # not a static pipeline's run: its cache is the source's layout
             peer.cache = None
         # The peer's run as the reference (its cache in the source's layout, as compare_cache

@@ -58,7 +58,8 @@ def test_layout_and_manifest(compiled):
     assert set(m["files"]) == {n for n in names if n not in ("manifest.json", "dumps")}
     assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
     # an unchunked prefill has one path: one prompt for it (a second was a second P-row prefill), one to switch
-    assert [r["prompt_tokens"] for r in m["verification"]["results"]] == [33, 64]
+    assert [(r["prompt_tokens"], r.get("from_position")) for r in m["verification"]["results"]] == [
+        (33, None), (64, None), (1, 78), (1, 126)]  # the far probes: each variant's last two positions
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
 
@@ -267,36 +268,39 @@ def test_the_verification_beside_the_cpu_compile_runs_blas_on_one_thread(tmp_pat
 
 
 def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
-    """The probes cross a chunk boundary: with the default-sized chunk of 64, prompts of 7 and
-    33 tokens never ran a chunk over a real past, and a prefill that misread it was published."""
+    """The probes run a chunk over a real past: with a chunk of 64, prompts of 7 and 33 tokens
+    never did, and a prefill that misread it was published. The chunk's far probe (its last
+    call before P, over the rows a call before it wrote) catches it."""
     _fault_in(monkeypatch, "prefill", HalvePastValues())
     options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=64)
-    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
+    with pytest.raises(VerificationError, match="prompt of 128 tokens from position 128"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
 
 
 def test_compile_verification_reads_the_bulk_prefill_past(tmp_path, monkeypatch):
-    """With a bulk chunk B a probe of B + 9 tokens runs a chunk and then the bulk model over its
-    rows: a bulk model that misreads its past is caught, which the probes of 7 and C + 9 tokens
-    (a bulk call over an empty past at 25 tokens, chunks only at 7) never reach."""
+    """The bulk model's far probe runs a chunk and then the bulk model's last call over its rows:
+    a bulk model that misreads its past is caught, which the probes of 7 and C + 9 tokens (a
+    bulk call over an empty past at 25 tokens, chunks only at 7) never reach."""
     _fault_in(monkeypatch, "prefill-64", HalvePastValues())
     options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64))
-    with pytest.raises(VerificationError, match="prompt of 73 tokens"):
+    with pytest.raises(VerificationError, match="prompt of 80 tokens from position 176"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
 
 
 def test_the_first_chunks_probe_checks_the_chunk_over_a_past(tmp_path, monkeypatch):
-    """With a first chunk F and a bulk chunk B (the CPU's default form) the probes are 7 and
-    F + B + 9 tokens, no separate C + 9: the long one runs the chunk C over the first chunk's
-    rows, so a chunk model that misreads its past is still caught there."""
+    """With a first chunk F and a bulk chunk B (the CPU's default form) the probes are 7 tokens,
+    one that runs the first chunk (41: F is the cheapest way to compute them), the far probes
+    of the chunk and the bulk chunk (each from P - size - C) and the generate variant's (its
+    last two positions, decoded): a chunk model that misreads its past is caught by its own."""
     from kvc.verify.compiled import probe_cases
 
     options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64), prefill_first=(64,))
-    assert [len(p.prompt) for p in probe_cases(options.lengths(), 1000)] == [7, 137]
+    assert [(len(p.prompt), p.origin, p.decode) for p in probe_cases(options.lengths(), 1000)] == [
+        (7, 0, False), (41, 0, False), (32, 224, False), (80, 176, False), (1, 318, True)]
     _fault_in(monkeypatch, "prefill", HalvePastValues())
-    with pytest.raises(VerificationError, match="prompt of 137 tokens"):
+    with pytest.raises(VerificationError, match="prompt of 32 tokens from position 224"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
 
@@ -308,6 +312,82 @@ def test_compile_verification_fills_the_smaller_variant(tmp_path, monkeypatch):
     _fault_in(monkeypatch, "generate-80", HalvePastValues(from_row=64))
     with pytest.raises(VerificationError, match="prompt of 64 tokens"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(SMALL))
+    assert not (tmp_path / "out").exists()
+
+
+# The CPU's default form at bf16 for P 64, R 64 (chunk 16, first chunk 16) with one generate
+# variant of 128: no probe from position 0 fills it, and the short probe runs 15 positions.
+ONE_VARIANT = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=16, prefill_first=(16,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampPositions(Pass):
+    """A fault at positions no prompt from position 0 reaches in a few steps: a generate model
+    whose positions stop at `limit` (a rope or position table sized for P, not P + R)."""
+
+    name: ClassVar[str] = "test-clamp-positions"
+    limit: int = 63
+
+    def run(self, model):
+        import openvino.opset13 as ops
+
+        (positions,) = [p for p in model.get_parameters() if p.output(0).get_any_name() == "position_ids"]
+        targets = list(positions.output(0).get_target_inputs())
+        clamped = ops.minimum(positions.output(0), ops.constant(np.int64(self.limit)))
+        for t in targets:
+            t.replace_source_output(clamped.output(0))
+        return PassResult(model, True)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_compile_verification_reaches_the_last_positions(name, tmp_path, monkeypatch):
+    """Positions P to P + R - 1 are reached by the far probes: without them the probes ran
+    positions up to 26 of 128 (P 64, R 64) and generate models whose positions stopped at
+    P - 1 were published (rotary llama; gpt2's learned position table)."""
+    _fault_in(monkeypatch, "generate-128", ClampPositions())
+    with pytest.raises(VerificationError, match="from position"):
+        compile_to(fixtures.path(name), tmp_path / "out", CompileOptions(ONE_VARIANT))
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_verification_reads_a_variants_last_past_row(tmp_path, monkeypatch):
+    """A generate variant that misreads the last row of its past (reached only by a prompt and
+    generation that fill it) is caught by its far probe, decoded at its last two positions."""
+    _fault_in(monkeypatch, "generate-128", HalvePastValues(from_row=126))
+    with pytest.raises(VerificationError, match="prompt of 1 token from position 126"):
+        compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(ONE_VARIANT))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sliding_window_gets_a_probe_past_it(tmp_path, monkeypatch):
+    """A model whose config states a sliding window W below the capacity gets a probe whose last
+    step attends past W (far probes start over empty rows, which no window drops): mistral's
+    window of 32 compared one token short is caught by it."""
+    import openvino.opset13 as ops
+
+    from kvc.passes import mask_positions
+    from kvc.verify.compiled import probe_cases
+
+    lengths = ONE_VARIANT.lengths()
+    plain = [(len(p.prompt), p.new_tokens) for p in probe_cases(lengths, 1000)]
+    windowed = [(len(p.prompt), p.new_tokens) for p in probe_cases(lengths, 1000, window=32)]
+    assert windowed == plain[:1] + [(41, 2)] + plain[1:]
+    assert probe_cases(lengths, 1000, window=lengths.capacity) == probe_cases(lengths, 1000)
+
+    real_range = mask_positions.ops.range
+
+    class OffByOne:  # the past's positions numbered from 1: its window one token short
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def range(start, stop, step, output_type="i64"):
+            one = ops.constant(np.int64(1))
+            return real_range(ops.add(start, one), ops.add(stop, one), step, output_type=output_type)
+
+    monkeypatch.setattr(mask_positions, "ops", OffByOne())
+    with pytest.raises(VerificationError, match="prompt of 41 tokens"):
+        compile_to(fixtures.path("starcoder2"), tmp_path / "out", CompileOptions(ONE_VARIANT))
     assert not (tmp_path / "out").exists()
 
 
@@ -455,7 +535,7 @@ def test_a_probe_past_the_models_position_table_says_why(tmp_path):
     options = StaticOptions(max_prompt_len=1024, min_response_len=64, prefill_chunk_size=(16, 512))
     with pytest.raises(EvaluationError) as info:
         compile_to(fixtures.path("gptj"), tmp_path / "gptj", CompileOptions(options, devices=()))
-    assert "IndexError: index 256 is out of bounds" in str(info.value)
+    assert re.search(r"IndexError: index \d+ is out of bounds", str(info.value))
     assert str(info.value).endswith("note: the capacity P + R = 1088 exceeds the model's n_positions = 256 "
                                     "(config.json); lower --max-prompt-len/--min-response-len to fit")
     assert not (tmp_path / "gptj").exists()
@@ -977,12 +1057,16 @@ def test_range_hashes_for_the_blob_cache(tmp_path):
 
 def test_compile_verification_runs_every_generate_variant(tmp_path, monkeypatch):
     """With four variants (80, 96, 112 and the capacity's 128) the probes start on 112 (33
-    tokens and R) and switch from 80 to 96; the one none of them reaches is run too (the short
-    prompt started on it, one step), so a fault there is caught before anything is published
-    (it was not)."""
+    tokens and R) and switch from 80 to 96; the one none of them reaches is run too, by its far
+    probe (before them, the short prompt started on it, one step), so a fault there is caught
+    before anything is published (it was not)."""
+    from kvc.verify.compiled import probe_cases
+
     _fault_in(monkeypatch, "generate-128", HalvePastValues())
     options = dataclasses.replace(SMALL, variants=(80, 96, 112))
-    with pytest.raises(VerificationError, match="prompt of 33 tokens: token 1 differs"):
+    assert [(p.start, p.origin) for p in probe_cases(options.lengths(), 1000) if p.decode] == [
+        (80, 78), (96, 94), (112, 110), (128, 126)]
+    with pytest.raises(VerificationError, match="prompt of 1 token from position 126: logits differ"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
 

@@ -46,13 +46,13 @@ def _flip_rows_past(position: int):
     the wrong sign would hold them."""
     real = cache_rows.stored_rows
 
-    def flipped(pipe, rows):
-        held = real(pipe, rows)
+    def flipped(pipe, rows, origin=0):
+        held = real(pipe, rows, origin)
         if next(iter(pipe.generate_sessions.values())).backend == "numpy":
             return held
         for spec in pipe.kv:
             index = [slice(None)] * held[spec.input].ndim
-            index[spec.seq_axis] = slice(position, None)
+            index[spec.seq_axis] = slice(max(position - origin, 0), None)
             held[spec.input][tuple(index)] *= -1
         return held
     return flipped

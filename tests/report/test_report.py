@@ -61,8 +61,11 @@ def test_every_section_is_there_with_its_content(compiled):
     # verification: a table row and a per-step plot per probe
     probes = manifest["verification"]["results"]
     assert len(doc.classed("svg", "plot")) == len(probes)
+    from kvc.verify.compiled import probe_label
+
+    assert any(r.get("from_position") for r in probes)  # a far probe, named by where it starts
     for r in probes:
-        assert f"prompt of {r['prompt_tokens']} tokens, {r['new_tokens']} new" in text
+        assert f"{probe_label(r)}, {r['new_tokens']} new" in text
     # timings and bytes per phase, and every file with its size
     for phase in ("passes, save the IR", "compile for CPU, meanwhile verify the IR (numpy) against the source",
                   "check the CPU blobs"):

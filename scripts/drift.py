@@ -1,0 +1,78 @@
+"""How far a correct compile's own check drifts: the calibration of kvc's verification bounds.
+
+    python scripts/drift.py [--prompt 64] [--response 64] [FIXTURE ...]
+
+Compiles every fixture (or those named) as `kvc compile` would for each of these forms, with
+its verification and blob check on, and prints, per form, the worst of each metric the checks
+bound (kvc.runtime.compare, kvc.verify.cache_rows) over every probe, with where it was:
+
+* cpu: the CPU's defaults on this host (`compile_static`: bf16 cache and blobs where the host
+  computes bf16);
+* cpu-f16: the same with an f16 cache;
+* cpu-i8: the same with an int8 cache;
+* npu: the NPU's defaults (unchunked prefill, f16 cache; NPUW on its CPU backend).
+
+The numpy rows are kvc's interpreter (f32 arithmetic, the cache rounded to its type) against
+the source on OpenVINO CPU f32; the blob rows are the blobs against the IR. A bound is worth
+what this shows: set from the worst measured here, with room, and shown to refuse a fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+FORMS = {
+    "cpu": ({}, ("CPU",)),
+    "cpu-f16": ({"kv_precision": "f16"}, ("CPU",)),
+    "cpu-i8": ({"kv_precision": "i8"}, ("CPU",)),
+    "npu": ({}, ("NPU",)),
+}
+METRICS = ("nrmse", "step_error", "cache_error")
+
+
+def main() -> int:
+    from kvc import fixtures
+    from kvc.errors import KvcError
+    from kvc.export.compile import CompileOptions, compile_static, compile_to
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("fixtures", nargs="*")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--forms", default=",".join(FORMS))
+    args = parser.parse_args()
+    names = args.fixtures or (*fixtures.MODELS, *fixtures.COMPRESSED)
+    worst: dict[tuple[str, str, str], tuple[float, str]] = {}
+    for form in args.forms.split(","):
+        fields, devices = FORMS[form]
+        for name in names:
+            static = compile_static(devices, max_prompt_len=args.prompt, min_response_len=args.response, **fields)
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    manifest = compile_to(fixtures.path(name), Path(tmp) / "out",
+                                          CompileOptions(static, devices=devices))
+                except KvcError as exc:
+                    print(f"{form} {name}: FAILED {exc}", flush=True)
+                    continue
+            rows = [("numpy", r) for r in manifest["verification"]["results"]]
+            rows += [("blobs", r) for r in manifest["blob_check"]]
+            for engine, row in rows:
+                where = f"{name} prompt {row['prompt_tokens']}" + (
+                    f" from {row['from_position']}" if row.get("from_position") else "")
+                for metric in METRICS:
+                    value = row.get(metric)
+                    key = (form, engine, metric)
+                    if value is not None and value > worst.get(key, (-1.0, ""))[0]:
+                        worst[key] = (float(value), where)
+            print(f"{form} {name}: ok", flush=True)
+    print("\n| form | engine | metric | worst | where |\n|---|---|---|---:|---|")
+    for (form, engine, metric), (value, where) in sorted(worst.items()):
+        print(f"| {form} | {engine} | {metric} | {value:.3g} | {where} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
