@@ -342,7 +342,6 @@ class StaticPipeline:
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
 
-
     def decode_prompt(self, prompt, new_tokens: int, *, variant: int, origin: int) -> StaticGeneration:
         """Greedy decoding on generate variant `variant` alone, the prompt fed to it a token a
         step from position `origin` on (the rows before it empty and masked, as if the
