@@ -31,7 +31,8 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in DEVICE_OF_BACKEND.it
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
-             sweep: str = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None) -> Session:
+             sweep: str = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
+             widen: bool = False) -> Session:
     """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
     (`pages_released`: an open's first import "behind", the others "all"); `mapped`: weights.bin
     as `map_weights` mapped it, shared by the models read from their IR; `imports`: the blobs
@@ -58,7 +59,8 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         return session
     model = load(directory / entry["xml"], weights=weights, mapped=mapped)
     check_ports(directory, name, entry, model.inputs, model.outputs)
-    session = NumpySession(model) if backend == "numpy" else OpenVINOSession(model, device, _ir_config(blob, device))
+    session = (NumpySession(model, widen=widen) if backend == "numpy" else
+               OpenVINOSession(model, device, _ir_config(blob, device)))
     session.weights_mapping = mapped  # the model's constants point into it: it must live as long as they do
     return session
 
@@ -195,10 +197,11 @@ def model_session(directory: str | Path, name: str, backend: str = "numpy") -> S
 
 
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
-                  lazy: bool = False) -> StaticPipeline:
+                  lazy: bool = False, widen: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote. `lazy`: each model is imported
-    when first run and can be released (`LazySession`)."""
+    when first run and can be released (`LazySession`). `widen`: on the numpy backend, f16 and
+    bf16 computed unrounded at f32 (`kvc.runtime.interpreter.Interpreter`), the cache too."""
     kv_types = {k.element_type for k in plan_of(manifest).kv}
     if backend == "npu" and "bf16" in kv_types:
         raise UsageError(f"{directory} stores its KV cache as bf16 (compiled for CPU at bf16), which the NPU "
@@ -220,7 +223,8 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         # 18.8 -> 16.1 s; its peak 1818 -> 2219 MB, NPUW_LLM's 2641).
         sweep = "none" if lazy else "all" if made else "behind"
         made.append(name)
-        make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports)
+        make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports,
+                                 widen)
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}

@@ -70,11 +70,20 @@ def decompression_nodes(model: ov.Model) -> set:
     return found
 
 
-def _in_f32(spec):
-    """`spec` with f16 inputs and outputs read as f32."""
+def _in_f32(spec, bf16: bool = False):
+    """`spec` with f16 inputs and outputs read as f32 (and bf16 ones, which kvc holds as f32
+    rounded to bf16, left unrounded, with `bf16`)."""
+    wide = ("f16", "bf16") if bf16 else ("f16",)
     return replace(spec, input_types=tuple(_F32 if t == _F16 else t for t in spec.input_types),
                    output_types=tuple(_F32 if t == _F16 else t for t in spec.output_types),
-                   output_etypes=tuple("f32" if t == "f16" else t for t in spec.output_etypes))
+                   output_etypes=tuple("f32" if t in wide else t for t in spec.output_etypes))
+
+
+def input_dtype(port: ov.Output, widen: bool = False) -> np.dtype:
+    """The array type an input port takes on kvc's interpreter: its element type's (`to_dtype`),
+    f32 for f16 ones when the interpreter `widen`s."""
+    want = to_dtype(port.get_element_type())
+    return _F32 if widen and want == _F16 else want
 
 
 # Folding a constant subgraph whose result is larger than this would copy weights for
@@ -158,10 +167,15 @@ def port_names(port, source=None) -> tuple[str, ...]:
 class Interpreter:
     """A prepared model; `run` evaluates it, `state` holds its variables between runs."""
 
-    def __init__(self, model: ov.Model, *, fold_constants: bool = True):
+    def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False):
+        """`widen`: compute every f16 and bf16 value at f32, unrounded, inputs included: the
+        exact twin of a static model whose KV cache is stored at f16 or bf16 (kv-io's Converts
+        at its boundary round nothing), which the compile's check runs against the source at
+        f32 with the exact rules (kvc.verify.compiled.ir_generations)."""
         load_all()
         check_supported(model)
         self.model = model
+        self.widen = widen
         self.state: dict[str, np.ndarray] = {}
         self._variables = {v.get_info().variable_id: v.get_info() for v in model.get_variables()}
         self._prepare(fold_constants)
@@ -203,7 +217,9 @@ class Interpreter:
                 steps.append((self._assign(node), ins, (), node))
             else:
                 spec = spec_of(node)
-                kernel = lookup(tname, node.get_type_info().version_id)(_in_f32(spec) if node in in_f32 else spec)
+                if self.widen or node in in_f32:
+                    spec = _in_f32(spec, bf16=self.widen)
+                kernel = lookup(tname, node.get_type_info().version_id)(spec)
                 outs = new_slots(node)
                 if fold and ins and all(i in consts for i in ins):
                     folded = self._try_fold(kernel, [consts[i] for i in ins], node)
@@ -282,7 +298,7 @@ class Interpreter:
         for s, v in self._consts.items():
             env[s] = v
         for names, s, port in self._inputs:
-            env[s] = bind_input(names, port, inputs)
+            env[s] = bind_input(names, port, inputs, self.widen)
         unknown = set(inputs) - {n for names, _, _ in self._inputs for n in names}
         if unknown:
             raise InputError(f"unknown input(s) {', '.join(sorted(unknown))}; the model takes "
@@ -342,13 +358,14 @@ def _frees(steps: list, keep: set[int]) -> list[tuple[int, ...]]:
     return [tuple(f) for f in frees]
 
 
-def bind_input(names: tuple[str, ...], port: ov.Output, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+def bind_input(names: tuple[str, ...], port: ov.Output, inputs: Mapping[str, np.ndarray],
+               widen: bool = False) -> np.ndarray:
     given = [n for n in names if n in inputs]
     if not given:
         raise InputError(f"missing input {names[0]} ({port.get_element_type().get_type_name()}"
                          f"{port.get_partial_shape()})")
     value = np.asarray(inputs[given[0]])
-    want = to_dtype(port.get_element_type())
+    want = input_dtype(port, widen)
     if value.dtype != want:
         if not np.can_cast(value.dtype, want, casting="same_kind"):
             raise InputError(f"input {names[0]}: expected element type {want}, found {value.dtype}")

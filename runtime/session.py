@@ -17,7 +17,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
-from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, port_names
+from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, input_dtype, port_names
 from kvc.runtime.ops.registry import to_dtype
 
 # OpenVINO CPU defaults to bf16/f16 inference and an f16 KV cache (models' rt_info asks for
@@ -68,8 +68,8 @@ class NumpySession:
     # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
     weights_mapping: object | None = None
 
-    def __init__(self, model: ov.Model):
-        self.interpreter = Interpreter(model)
+    def __init__(self, model: ov.Model, *, widen: bool = False):
+        self.interpreter = Interpreter(model, widen=widen)  # widen: see Interpreter
         self._bound: dict[str, np.ndarray] = {}
 
     @property
@@ -82,7 +82,8 @@ class NumpySession:
     def input_dtype(self, name: str) -> np.dtype:
         """The array type input `name` takes: kvc's representation of its element type (bf16
         as f32 holding bf16 values)."""
-        return to_dtype(next(port for names, _, port in self.interpreter._inputs if name in names).get_element_type())
+        port = next(port for names, _, port in self.interpreter._inputs if name in names)
+        return input_dtype(port, self.interpreter.widen)
 
     def bind(self, name: str, buffer: np.ndarray, rows: int, axis: int) -> None:
         """Input `name` reads the first `rows` rows (along `axis`) of `buffer` from now on,

@@ -12,9 +12,11 @@ bound (kvc.runtime.compare, kvc.verify.cache_rows) over every probe, with where 
 * cpu-i8: the same with an int8 cache;
 * npu: the NPU's defaults (unchunked prefill, f16 cache; NPUW on its CPU backend).
 
-The numpy rows are kvc's interpreter (f32 arithmetic, the cache rounded to its type) against
-the source on OpenVINO CPU f32; the blob rows are the blobs against the IR. A bound is worth
-what this shows: set from the worst measured here, with room, and shown to refuse a fault.
+The numpy rows are kvc's interpreter (f32 arithmetic; over an f16 or bf16 cache widened, the
+cache unrounded, as the compile runs it: kvc.verify.compiled.widens) against the source on
+OpenVINO CPU f32; with --rounded the cache is rounded to its type as stored (how the check ran
+before widening: docs/verification.md). The blob rows are the blobs against the IR. A bound is
+worth what this shows: set from the worst measured here, with room, and shown to refuse a fault.
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--forms", default=",".join(FORMS))
+    parser.add_argument("--rounded", action="store_true", help="the numpy check over the cache as stored")
     args = parser.parse_args()
+    if args.rounded:
+        import kvc.verify.compiled
+
+        kvc.verify.compiled.widens = lambda kv_types: False
     names = args.fixtures or (*fixtures.MODELS, *fixtures.COMPRESSED)
     worst: dict[tuple[str, str, str], tuple[float, str]] = {}
     for form in args.forms.split(","):

@@ -159,3 +159,24 @@ def test_f16_decompression_used_in_f16_stays_f16():
     from kvc.runtime.interpreter import decompression_nodes
 
     assert decompression_nodes(model) == set()
+
+
+@pytest.mark.parametrize("kv", ["f16", "bf16"])
+def test_widened_the_interpreter_rounds_nothing_to_f16_or_bf16(kv):
+    """`widen` computes what the model would with f32 in place of f16 and bf16: a value rounded
+    to the narrow type and read back (a KV cache stored at f16 or bf16, kv-io's boundary) comes
+    back unrounded, an f16 input takes f32 values as they are; without it both are rounded."""
+    etype = {"f16": ov.Type.f16, "bf16": ov.Type.bf16}[kv]
+    x = ops.parameter([4], ov.Type.f32, name="x")
+    past = ops.parameter([4], etype, name="past")
+    stored = ops.convert(ops.multiply(x, ops.constant(np.float32(1 / 3))), etype)
+    total = ops.add(ops.convert(stored, ov.Type.f32), ops.convert(past, ov.Type.f32))
+    model = ov.Model([total.output(0)], [x, past])
+    model.output(0).get_tensor().set_names({"y"})
+    values = np.array([1.0, 2.0, 10.0, 1e-3], np.float32)
+    third = np.array([0.1, 0.2, 0.3, 0.4], np.float32) / np.float32(3)
+    exact = values / np.float32(3) + third
+    wide, narrow = Interpreter(model, widen=True), Interpreter(model)
+    got = wide.run({"x": values, "past": third})["y"]
+    np.testing.assert_allclose(got, exact, rtol=1e-6)
+    assert np.abs(narrow.run({"x": values, "past": third})["y"] - exact).max() > 1e-5
