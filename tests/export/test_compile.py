@@ -175,6 +175,15 @@ def test_failed_compile_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def _reroute(output, make) -> None:
+    """Every consumer of `output` reads `make(output)` instead: how the fault passes below edit a
+    static model."""
+    targets = list(output.get_target_inputs())
+    changed = make(output)
+    for t in targets:
+        t.replace_source_output(changed.output(0))
+
+
 @dataclasses.dataclass(frozen=True)
 class HalvePastValues(Pass):
     """A fault in how a model reads its past: the values of its past rows from `from_row` on
@@ -193,10 +202,7 @@ class HalvePastValues(Pass):
             if name.startswith("past_key_values") and "value" in name:
                 rows = p.get_partial_shape()[2].get_length()
                 factor = np.where(np.arange(rows) >= self.from_row, 0.5, 1.0).astype(p.get_element_type().to_dtype())
-                targets = list(p.output(0).get_target_inputs())
-                half = ops.multiply(p.output(0), ops.constant(factor.reshape(1, 1, rows, 1)))
-                for t in targets:
-                    t.replace_source_output(half.output(0))
+                _reroute(p.output(0), lambda x: ops.multiply(x, ops.constant(factor.reshape(1, 1, rows, 1))))
         return PassResult(model, True)
 
 
@@ -225,10 +231,7 @@ class ScaleLastAttention(Pass):
         import openvino.opset13 as ops
 
         sdpa = [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"][-1]
-        targets = list(sdpa.output(0).get_target_inputs())
-        scaled = ops.multiply(sdpa.output(0), ops.constant(np.float32(self.factor)))
-        for t in targets:
-            t.replace_source_output(scaled.output(0))
+        _reroute(sdpa.output(0), lambda x: ops.multiply(x, ops.constant(np.float32(self.factor))))
         return PassResult(model, True)
 
 
@@ -244,10 +247,7 @@ class ScaleLastProjection(Pass):
         import openvino.opset13 as ops
 
         proj = [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul" and "o_proj" in n.get_friendly_name()][-1]
-        targets = list(proj.output(0).get_target_inputs())
-        scaled = ops.multiply(proj.output(0), ops.constant(np.float32(self.factor)))
-        for t in targets:
-            t.replace_source_output(scaled.output(0))
+        _reroute(proj.output(0), lambda x: ops.multiply(x, ops.constant(np.float32(self.factor))))
         return PassResult(model, True)
 
 
@@ -370,10 +370,7 @@ class ClampPositions(Pass):
         import openvino.opset13 as ops
 
         (positions,) = [p for p in model.get_parameters() if p.output(0).get_any_name() == "position_ids"]
-        targets = list(positions.output(0).get_target_inputs())
-        clamped = ops.minimum(positions.output(0), ops.constant(np.int64(self.limit)))
-        for t in targets:
-            t.replace_source_output(clamped.output(0))
+        _reroute(positions.output(0), lambda x: ops.minimum(x, ops.constant(np.int64(self.limit))))
         return PassResult(model, True)
 
 
