@@ -10,13 +10,17 @@ bound (kvc.runtime.compare, kvc.verify.cache_rows) over every probe, with where 
   computes bf16);
 * cpu-f16: the same with an f16 cache;
 * cpu-i8: the same with an int8 cache;
+* cpu-f32-f16, cpu-f32-bf16: exact (f32) CPU blobs over an f16 or bf16 cache;
 * npu: the NPU's defaults (unchunked prefill, f16 cache; NPUW on its CPU backend).
 
 The numpy rows are kvc's interpreter (f32 arithmetic; over an f16 or bf16 cache widened, the
 cache unrounded, as the compile runs it: kvc.verify.compiled.widens) against the source on
 OpenVINO CPU f32; with --rounded the cache is rounded to its type as stored (how the check ran
-before widening: docs/verification.md). The blob rows are the blobs against the IR. A bound is
-worth what this shows: set from the worst measured here, with room, and shown to refuse a fault.
+before widening: docs/verification.md). The blob rows are the blobs against the IR; blobs
+computing below f32 also against the plugin's own run of the source (`<metric> / peer`, the
+ratios kvc.verify.peer_drift bounds by PEER_FACTOR; the noise's only where a token differs). A
+bound is worth what this shows: set from the worst measured here, with room, and shown to
+refuse a fault.
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-FORMS = {
-    "cpu": ({}, ("CPU",)),
-    "cpu-f16": ({"kv_precision": "f16"}, ("CPU",)),
-    "cpu-i8": ({"kv_precision": "i8"}, ("CPU",)),
-    "npu": ({}, ("NPU",)),
+FORMS = {  # name: (the static options given, the devices, the CPU blobs' precision)
+    "cpu": ({}, ("CPU",), "auto"),
+    "cpu-f16": ({"kv_precision": "f16"}, ("CPU",), "auto"),
+    "cpu-i8": ({"kv_precision": "i8"}, ("CPU",), "auto"),
+    "cpu-f32-f16": ({"kv_precision": "f16"}, ("CPU",), "f32"),
+    "cpu-f32-bf16": ({"kv_precision": "bf16"}, ("CPU",), "f32"),
+    "npu": ({}, ("NPU",), "auto"),
 }
 METRICS = ("nrmse", "step_error", "cache_error")
+# Blobs judged by the plugin's own drift (kvc.verify.peer_drift): how far they are from it.
+PEER_RATIOS = (("nrmse", "nrmse"), ("step_error", "step_error"), ("cache_error", "cache_error"), ("noise", "noise"))
 
 
 def main() -> int:
@@ -54,13 +62,14 @@ def main() -> int:
     names = args.fixtures or (*fixtures.MODELS, *fixtures.COMPRESSED)
     worst: dict[tuple[str, str, str], tuple[float, str]] = {}
     for form in args.forms.split(","):
-        fields, devices = FORMS[form]
+        fields, devices, precision = FORMS[form]
         for name in names:
-            static = compile_static(devices, max_prompt_len=args.prompt, min_response_len=args.response, **fields)
+            static = compile_static(devices, precision, max_prompt_len=args.prompt, min_response_len=args.response,
+                                    **fields)
             with tempfile.TemporaryDirectory() as tmp:
                 try:
                     manifest = compile_to(fixtures.path(name), Path(tmp) / "out",
-                                          CompileOptions(static, devices=devices))
+                                          CompileOptions(static, devices=devices, inference_precision=precision))
                 except KvcError as exc:
                     print(f"{form} {name}: FAILED {exc}", flush=True)
                     continue
@@ -69,8 +78,10 @@ def main() -> int:
             for engine, row in rows:
                 where = f"{name} prompt {row['prompt_tokens']}" + (
                     f" from {row['from_position']}" if row.get("from_position") else "")
-                for metric in METRICS:
-                    value = row.get(metric)
+                ratios = {f"{m} / peer": row[m] / max(row[f"peer_{p}"], 1e-12) for m, p in PEER_RATIOS
+                          if row.get(m) is not None and row.get(f"peer_{p}") is not None}
+                for metric in (*METRICS, *ratios):
+                    value = ratios[metric] if metric in ratios else row.get(metric)
                     key = (form, engine, metric)
                     if value is not None and value > worst.get(key, (-1.0, ""))[0]:
                         worst[key] = (float(value), where)

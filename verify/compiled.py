@@ -295,9 +295,10 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision),
     their cache rows too (`judge_run`: the blobs' rows against the IR's, bounded by
     BLOB_ROW_ERROR where the blobs compute below f32; not for an int8 cache, `stored_rows`),
-    else only for finite logits. With the `source` model's path, a CPU blob run below f32 that
-    fails a fixed bound is judged again with the bounds widened by the plugin's own drift on
-    that probe (`kvc.verify.peer_drift`). An import or inference failure raises DeviceError.
+    else only for finite logits. With the `source` model's path, CPU blobs computing below f32
+    are judged by bounds the plugin's own drift on each probe sets (`kvc.verify.peer_drift`;
+    its runs made before the blobs are imported). An import or inference failure raises
+    DeviceError.
 
     The rows, and with `keep` a fresh pipeline over the blobs it imported (`serving`), else
     None: the prefill blobs then stay imported while the generate blobs are (an open's
@@ -315,6 +316,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
     blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
+    if peer is not None:
+        peer.prepare([(probe.prompt, len(exact.tokens), probe.origin) for probe, exact in zip(cases, ir_gens)])
     # The prefill blob for every case, then the generate blobs: unless kept, never both in
     # memory (each import maps weights.bin and packs the weights again), so checking costs no
     # more memory than the compile.
@@ -347,11 +350,10 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         row = {"device": device, **probe_row(probe), "variants": sorted(set(got.variants))}
         if ir_gens is not None:
             got.cache = stored_rows(pipe, got.kv_rows, got.origin)
-            row.update(judge_run(ir_gens[i], got, pipe.plan.kv, reduced=reduced, limit=limit, step_bound=bound,
-                                 row_bounds=blob_bounds, against="the IR's"))
-            if not row["ok"] and peer is not None:
-                row = peer.widened(row, ir_gens[i], got, prompt, pipe.plan.kv, limit=limit, step_bound=bound,
-                                   row_bounds=blob_bounds, reduced=reduced)
+            policy = {"reduced": reduced, "limit": limit, "step_bound": bound, "row_bounds": blob_bounds,
+                      "against": "the IR's"}
+            row.update(judge_run(ir_gens[i], got, pipe.plan.kv, **policy) if peer is None else
+                       peer.judge(ir_gens[i], got, prompt, pipe.plan.kv, selects=selecting, **policy))
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -395,8 +397,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                     new_tokens: int = 16, reference_backend: str = "openvino", from_ir: bool = False) -> dict:
     """Run a compiled directory on each backend and the source model on `reference_backend`;
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties), and
-    on the numpy backend the cache rows too (`judge_run`). OpenVINO CPU runs below f32 that
-    fail a fixed bound are judged again by the plugin's own drift (`kvc.verify.peer_drift`)."""
+    on the numpy backend the cache rows too (`judge_run`). OpenVINO CPU runs below f32 are
+    judged by bounds the plugin's own drift sets (`kvc.verify.peer_drift`)."""
     from pathlib import Path
 
     from kvc.export.load import backend_config, pipeline_from
@@ -423,8 +425,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
     selecting = ((int8_kv(kv_types) or any(reduced_arithmetic(b, configs[b]) for b in backends))  # step_limit's too
                  and directory_selects(directory, manifest))
-    # OpenVINO CPU below f32 against the source at f32: a probe failing a fixed bound is judged
-    # again by the plugin's own drift on it, as the compile's blob check judged it (peer_drift).
+    # OpenVINO CPU below f32 against the source at f32: judged by bounds the plugin's own drift
+    # on each prompt sets, as the compile's blob check judged it (peer_drift).
     peers = {b: peer_for(source, b, configs[b], kv_types) for b in backends} if reference_backend == "openvino" else {}
     for backend in backends:
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
@@ -439,10 +441,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                       "limit": nrmse_limit(kv_types, selecting, backend, configs[backend]),
                       "step_bound": step_limit(kv_types, selecting, backend, configs[backend])}
             row = {"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
-                   **judge_run(references[(i, n)], got, plan.kv, **policy)}
-            if not row["ok"] and peers.get(backend) is not None:
-                row = peers[backend].widened(row, references[(i, n)], got, prompt, plan.kv,
-                                             against="the source model's", **policy)
+                   **(judge_run(references[(i, n)], got, plan.kv, **policy) if peers.get(backend) is None else
+                      peers[backend].judge(references[(i, n)], got, prompt, plan.kv, against="the source model's",
+                                           selects=selecting, **policy))}
             rows.append(row)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,

@@ -82,9 +82,11 @@ def test_a_stateless_source_gives_its_cache_by_input_name():
 
 @pytest.mark.parametrize("factor", [1.12])
 def test_a_blob_storing_other_rows_than_its_ir_is_never_published(tmp_path, monkeypatch, factor):
-    """The blob check compares the blobs' cache rows with the IR's: CPU blobs whose generate
-    models store layer 0's value rows `factor` times too large (the IR's are right) keep the
-    IR's tokens and logits within the reduced-precision rules, and are refused for their rows."""
+    """CPU blobs whose generate models store layer 0's value rows `factor` times too large (the
+    IR's are right) are never published. They kept the IR's tokens and logits within the fixed
+    reduced-precision rules and were refused for their rows; with the bounds the plugin's own
+    drift sets (kvc.verify.peer_drift), their logits' step error (0.095 against 3x the peer's
+    0.010) refuses them first. (The rows alone refuse blobs in test_peer_drift.py.)"""
     import openvino.opset13 as ops
 
     import kvc.export.compile as compile_mod
@@ -104,7 +106,8 @@ def test_a_blob_storing_other_rows_than_its_ir_is_never_published(tmp_path, monk
     monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch applies to this process only
     monkeypatch.setattr(compile_mod, "embed_small_constants", faulty)
     options = CompileOptions(StaticOptions(64, 32, prefill_chunk_size=16, kv_precision="bf16"), devices=("CPU",))
-    with pytest.raises(VerificationError, match=r"the CPU blobs do not reproduce the static IR: .*KV cache row \d+ "
-                                                r"of past_key_values\.0\.value is not the IR's"):
+    with pytest.raises(VerificationError, match=r"the CPU blobs do not reproduce the static IR: .*(KV cache row \d+ "
+                                                r"of past_key_values\.0\.value is not the IR's|step \d+'s logits are "
+                                                r"not the reference's: .* and bounds this run at 3x that)"):
         compile_to(fixtures.path("llama"), tmp_path / "out", options)
     assert not (tmp_path / "out").exists()

@@ -221,3 +221,33 @@ def test_only_a_selecting_graph_below_f32_or_with_int8_kv_goes_without_the_step_
     assert step_limit(["i8", "f16"], True, "numpy") is None
     assert (step_limit(["f16"], True, "numpy") == step_limit(["i8"], False, "numpy") == step_limit(["f16"], False, "npu")
             == step_limit(["bf16"], False, "openvino", bf16_cpu) == STEP_ERROR)
+
+
+def test_a_near_tie_claims_at_most_the_noise_an_independent_run_measured():
+    """A run whose own error is large excuses the flips it causes by that error: with the noise
+    capped by a run that does not depend on it (the plugin's own run of the source,
+    kvc.verify.peer_drift), the same flip is refused; a cap above the run's own noise changes
+    nothing."""
+    ref = run()
+    ref.logits[2][11] = ref.logits[2][3] - 0.05  # token 3 wins step 2 by 0.05 over token 11
+    got = edit(ref, 2, 11, 0.001, noise=0.04, above=3)  # wrong everywhere by up to 0.04
+    assert got.tokens[2] == 11
+    assert judge(ref, got, reduced=True).ok  # excused by its own noise (~0.04 > 0.05 / 2)
+    capped = judge(ref, got, reduced=True, noise_cap=0.01)
+    assert not capped.ok
+    assert "not below twice the logit noise 0.01 (this run's own 0.04, capped)" in capped.reason
+    assert judge(ref, got, reduced=True, noise_cap=1.0).ok
+
+
+def test_logit_noise_stops_at_the_peers_own_divergence_without_its_swapped_tokens():
+    from kvc.verify.peer_drift import logit_noise
+
+    ref = run()
+    peer = edit(ref, 0, 0, ref.logits[0][0], noise=0.01)
+    assert peer.tokens == ref.tokens
+    noise, own = logit_noise(ref, peer, upto=3)
+    assert own is None and 0.009 < noise <= 0.01
+    assert logit_noise(ref, peer, upto=0)[0] <= noise  # only the steps up to the judged run's divergence
+    flipped = edit(ref, 1, 40, 1.0, noise=0.01, above=ref.tokens[1])  # the peer flips step 1 itself
+    noise, own = logit_noise(ref, flipped, upto=3)
+    assert own == 1 and noise <= 0.01  # its steps after 1 condition on another token; its swap left out
