@@ -1,0 +1,412 @@
+"""Faults put into kvc's static models, to show that its proof refuses them (the mutation
+campaign of 2026-11-27, docs/verification.md).
+
+A *mutant* edits a static model's graph in place just before it is written into the output
+directory (`Bundle.add`: the IR and the blobs compiled from it are both wrong, the source model
+is not), or, with `where="blob"`, only the model the device compile reads (its IR and kvc's
+numpy check stay right, the blobs do not). Some also patch a pass or a phase (`hooks`). Each
+is what a real bug in a pass, a position table, a mask, a weight's storage or the device
+compile would do; the proof must refuse every one. `apply` installs one for a compile;
+`scripts/mutate.py` runs any of them over any fixture, `tests/mutation/test_mutants.py` a
+selection in CI.
+
+Every mutant returns how many edits it made (a hook counts its own in `Applied.edits`): a
+mutant that edits nothing proves nothing, and the harness says so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import openvino.opset13 as ops
+
+MUTANTS: dict[str, Callable] = {}
+
+
+def mutant(fn):
+    MUTANTS[fn.__name__] = fn
+    return fn
+
+
+# ------------------------------------------------------------------------------- helpers
+def port(model, name):
+    """The output of the Parameter named `name`, or None."""
+    for p in model.inputs:
+        if name in p.get_names():
+            return p.get_node().output(0)
+    return None
+
+
+def result_of(model, name):
+    for r in model.get_results():
+        if name in r.input_value(0).get_names() or name in r.output(0).get_names():
+            return r
+    return None
+
+
+def i64(x):
+    return ops.constant(np.asarray(x, np.int64))
+
+
+def reroute(out, build) -> int:
+    """Every consumer of `out` reads build(out) instead."""
+    targets = list(out.get_target_inputs())
+    new = build(out)
+    new = new.output(0) if hasattr(new, "output") else new
+    for t in targets:
+        t.replace_source_output(new)
+    return 1
+
+
+def mask_keep(model, keep) -> int:
+    """attention_mask * keep, keep[j] = keep(j, M): slots a model never attends."""
+    m = port(model, "attention_mask")
+    M = m.get_partial_shape()[1].get_length()
+    row = np.array([[keep(j, M) for j in range(M)]], np.int64)
+    return reroute(m, lambda x: ops.multiply(x, i64(row)))
+
+
+def chunk_of(model) -> int:
+    ids = port(model, "input_ids") or port(model, "inputs_embeds")
+    return ids.get_partial_shape()[1].get_length()
+
+
+def consts(model, pattern):
+    rx = re.compile(pattern)
+    return [op for op in model.get_ops() if op.get_type_name() == "Constant" and rx.search(op.get_friendly_name())]
+
+
+def scalar(op) -> float | None:
+    d = np.array(op.get_data())
+    return float(d.ravel()[0]) if d.size == 1 else None
+
+
+def edit_const(op, fn) -> int:
+    data = np.array(op.get_data(), copy=True)
+    new = ops.constant(fn(data).astype(data.dtype), dtype=op.get_element_type())
+    new.set_friendly_name(op.get_friendly_name() + "/mutated")
+    op.output(0).replace(new.output(0))
+    return 1
+
+
+def scale_weight(model, pattern, factor, where=None) -> int:
+    def f(d):
+        d = d.astype(np.float32)
+        if where is None:
+            return d * factor
+        d[where] *= factor
+        return d
+    return sum(edit_const(op, f) for op in consts(model, pattern))
+
+
+def generate(name) -> bool:
+    return name.startswith("generate-")
+
+
+# ------------------------------------------------------------------------------- mutants
+@mutant
+def none(name, model):
+    """Nothing: the control (a compile that must pass)."""
+    return 0
+
+
+
+
+@mutant
+def gen_positions_clamped_to_P(name, model):
+    """generate: positions clamped to 63 (a position table or rope cache sized for P = 64, not
+    P + R). Reached only by the far probes."""
+    if not generate(name) or port(model, "position_ids") is None:
+        return 0
+    return reroute(port(model, "position_ids"), lambda p: ops.minimum(p, i64(63)))
+
+
+@mutant
+def gen_last_past_slot_masked(name, model):
+    """generate: the last past slot is never attended (the capacity read one row short)."""
+    if not generate(name):
+        return 0
+    return mask_keep(model, lambda j, M: 0 if j == M - 2 else 1)
+
+
+@mutant
+def chunk_past_beyond_C_ignored(name, model):
+    """the chunk prefill model reads only the first C slots of its past."""
+    if name != "prefill":
+        return 0
+    C = chunk_of(model)
+    return mask_keep(model, lambda j, M: 0 if C <= j < M - C else 1)
+
+
+@mutant
+def window_off_by_one(name, model):
+    """every model: the sliding window's comparison one token short (kv > q - W + 1)."""
+    n = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "Add" and any(t.get_node().get_type_name() in ("Greater", "GreaterEqual", "Less",
+                                                                                  "LessEqual")
+                                               for t in op.output(0).get_target_inputs()):
+            c = op.input_value(1).get_node()
+            if c.get_type_name() == "Constant" and scalar(c) is not None and abs(scalar(c)) >= 4:
+                n += edit_const(c, lambda d: d + 1)
+    return n
+
+
+def _past_positions_from_one(setattr_, applied):
+    from kvc.passes import mask_positions
+
+    real = mask_positions.ops.range
+
+    class OffByOne:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def range(start, stop, step, output_type="i64"):
+            applied.edits["mask-positions"] = applied.edits.get("mask-positions", 0) + 1
+            return real(ops.add(start, i64(1)), ops.add(stop, i64(1)), step, output_type=output_type)
+
+    setattr_(mask_positions, "ops", OffByOne())
+
+
+@mutant
+def mask_positions_past_from_one(name, model):
+    """the mask-positions pass numbers the past's positions from 1 (a window or a position
+    table comparing the wrong slots)."""
+    return 0
+
+
+mask_positions_past_from_one.hooks = [_past_positions_from_one]
+
+
+@mutant
+def gen_o_proj_1e3(name, model):
+    """generate: layer 1's o_proj 0.1% too large."""
+    if not generate(name):
+        return 0
+    return scale_weight(model, r"layers\.1\.self_attn\.o_proj\.weight$", 1 + 1e-3)
+
+
+@mutant
+def gen_o_proj_3e2(name, model):
+    """generate: layer 1's o_proj 3% too large."""
+    if not generate(name):
+        return 0
+    return scale_weight(model, r"layers\.1\.self_attn\.o_proj\.weight$", 1.03)
+
+
+@mutant
+def first_q_proj_one_row_1e2(name, model):
+    """first-chunk models: one output row of layer 0's q_proj 1% too large."""
+    if not name.startswith("first-"):
+        return 0
+    return scale_weight(model, r"layers\.0\.self_attn\.q_proj\.weight$", 1.01, where=(5,))
+
+
+@mutant
+def all_rms_eps_1e5(name, model):
+    """every model: an RMSNorm epsilon of 1e-5 for 1e-6."""
+    n = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "Add" and op.input_value(0).get_node().get_type_name() == "ReduceMean":
+            c = op.input_value(1).get_node()
+            if c.get_type_name() == "Constant" and scalar(c) is not None and 0 < scalar(c) < 1e-4:
+                n += edit_const(c, lambda d: d * 10)
+    return n
+
+
+def _alibi_slopes(model):
+    found = []
+    for op in consts(model, r"."):
+        d = np.array(op.get_data())
+        if d.ndim == 3 and d.shape[0] == 1 and d.shape[2] == 1 and d.shape[1] >= 2 and d.dtype.kind == "f":
+            v = d.ravel()
+            if v[0] < 1 and np.allclose(v[1:] / v[:-1], v[1] / v[0]):  # geometric, first below 1
+                found.append(op)
+    return found
+
+
+@mutant
+def gen_alibi_slopes_5pct(name, model):
+    """generate: ALiBi slopes 5% too large."""
+    if not generate(name):
+        return 0
+    return sum(edit_const(op, lambda d: d * 1.05) for op in _alibi_slopes(model))
+
+
+@mutant
+def gen_tied_lm_head_1e2(name, model):
+    """generate: the lm_head MatMul reads a copy of the tied embedding 1% larger."""
+    if not generate(name):
+        return 0
+    n = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "MatMul":
+            c = op.input_value(1).get_node()
+            if c.get_type_name() == "Constant" and any(t.get_node().get_type_name() == "Gather"
+                                                       for t in c.output(0).get_target_inputs()):
+                d = np.array(c.get_data()).astype(np.float32) * np.float32(1.01)
+                op.input(1).replace_source_output(ops.constant(d).output(0))
+                n += 1
+    return n
+
+
+@mutant
+def chunk_swap_present_kv_layer1(name, model):
+    """the chunk prefill model writes layer 1's keys and values into each other's buffers."""
+    if name != "prefill":
+        return 0
+    rk, rv = result_of(model, "present.1.key"), result_of(model, "present.1.value")
+    a, b = rk.input_value(0), rv.input_value(0)
+    rk.input(0).replace_source_output(b)
+    rv.input(0).replace_source_output(a)
+    return 1
+
+
+@mutant
+def gen_layer1_reads_layer0_past(name, model):
+    """generate: layer 1 attends over layer 0's past (a layer index off by one)."""
+    if not generate(name):
+        return 0
+    for kind in ("key", "value"):
+        p0, p1 = port(model, f"past_key_values.0.{kind}"), port(model, f"past_key_values.1.{kind}")
+        for t in list(p1.get_target_inputs()):
+            t.replace_source_output(p0)
+    return 1
+
+
+@mutant
+def gen_router_gate_1e2(name, model):
+    """generate: the mixture-of-experts router's weights 1% too large."""
+    if not generate(name):
+        return 0
+    n = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "Softmax" and op.get_output_partial_shape(0).rank.get_length() == 2:
+            mm = op.input_value(0).get_node()
+            if mm.get_type_name() == "MatMul" and mm.input_value(1).get_node().get_type_name() == "Constant":
+                d = np.array(mm.input_value(1).get_node().get_data()).astype(np.float32) * np.float32(1.01)
+                mm.input(1).replace_source_output(ops.constant(d).output(0))
+                n += 1
+    return n
+
+
+@mutant
+def all_int4_zero_point_one_group(name, model):
+    """every model: one int4 group of the first [64, 4, 16] weight decompressed with its zero
+    point off by one."""
+    for op in model.get_ordered_ops():
+        if (op.get_type_name() == "Constant" and op.get_element_type().get_type_name() in ("i4", "u4")
+                and list(op.get_output_shape(0)) == [64, 4, 16]):
+            convert = next(t.get_node() for t in op.output(0).get_target_inputs())
+            delta = np.zeros((64, 4, 16), np.float32)
+            delta[3, 1, :] = 1
+            et = convert.get_output_element_type(0).to_dtype()
+            return reroute(convert.output(0), lambda x: ops.subtract(x, ops.constant(delta.astype(et))))
+    return 0
+
+
+def _flip_a_weight_bit(setattr_, applied, bit: int = 22):
+    """After the IR is saved and before it is verified, one bit of one element of the first
+    f32 [64, 64] weight in weights.bin flipped (a storage error)."""
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    import kvc.export.compile as compile_module
+
+    real = compile_module._verify_ir
+
+    def flipped(model_path, work, *args, **kwargs):
+        work = Path(work)
+        for layer in ET.parse(work / "prefill.xml").getroot().iter("layer"):
+            data = layer.find("data")
+            if (layer.get("type") == "Const" and data.get("element_type") == "f32"
+                    and data.get("shape") == "64,64"):
+                offset = int(data.get("offset")) + 4 * 100
+                with open(work / "weights.bin", "r+b") as f:
+                    f.seek(offset)
+                    value = np.frombuffer(f.read(4), np.uint32) ^ np.uint32(1 << bit)
+                    f.seek(offset)
+                    f.write(value.tobytes())
+                applied.edits["weights.bin"] = 1
+                break
+        return real(model_path, work, *args, **kwargs)
+
+    setattr_(compile_module, "_verify_ir", flipped)
+
+
+@mutant
+def weights_bin_mantissa_bit(name, model):
+    """weights.bin: the top mantissa bit of one weight flipped after saving."""
+    return 0
+
+
+weights_bin_mantissa_bit.hooks = [_flip_a_weight_bit]
+
+
+# ------------------------------------------------------------------------------- the harness
+@dataclass
+class Applied:
+    """What a mutant edited, by static model."""
+
+    edits: dict[str, int] = field(default_factory=dict)
+
+
+def apply(name: str, setattr_, setenv, where: str = "ir") -> Applied:
+    """Install mutant `name` for the compiles that follow, through `setattr_(obj, attr, value)`
+    and `setenv(key, value)` (pytest's monkeypatch, or plain setattr and os.environ for a
+    script). `where`: "ir" (every static model before it is written) or "blob" (only what the
+    device compile reads, which then runs in kvc's own process)."""
+    fn = MUTANTS[name]
+    applied = Applied()
+    for hook in getattr(fn, "hooks", ()):  # edits they make are counted in `applied` too
+        hook(setattr_, applied)
+    if where == "ir":
+        import kvc.ir.bundle as bundle
+
+        real_add = bundle.Bundle.add
+
+        def add(self, model_name, model):
+            n = fn(model_name, model)
+            if n:
+                applied.edits[model_name] = n
+                model.validate_nodes_and_infer_types()
+            return real_add(self, model_name, model)
+
+        setattr_(bundle.Bundle, "add", add)
+    elif where == "blob":
+        import threading
+        from pathlib import Path
+
+        import kvc.export.device_compile as device_compile
+        import kvc.ir.reader as reader
+
+        real_compile, real_load = device_compile._compile_one, reader.load
+        compiling = threading.local()  # the CPU compiles run beside the numpy check, on a thread
+
+        def load(path, *args, **kwargs):
+            model = real_load(path, *args, **kwargs)
+            if getattr(compiling, "now", False):
+                model_name = Path(str(path)).stem
+                n = fn(model_name, model)
+                if n:
+                    applied.edits[model_name] = applied.edits.get(model_name, 0) + n
+                    model.validate_nodes_and_infer_types()
+            return model
+
+        def compile_one(request):  # each static model it reads, and nothing else, mutated
+            compiling.now = True
+            try:
+                return real_compile(request)
+            finally:
+                compiling.now = False
+
+        setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch reaches this process only
+        setattr_(device_compile, "_compile_one", compile_one)
+        setattr_(reader, "load", load)
+    else:
+        raise ValueError(f"where: 'ir' or 'blob', not {where!r}")
+    return applied

@@ -1,0 +1,59 @@
+"""kvc's proof against faults put into what it compiles (tests/mutation/mutants.py): every
+mutant here must be refused, naming the check that refused it, and the harness itself must
+leave a correct compile passing. A selection of the 2026-11-27 campaign, each a fault that kvc
+once published or that a check exists for: positions and past slots only far probes reach, a
+window one token short, weights 0.1% off, an epsilon, ALiBi slopes, a tied head, K and V
+swapped, a layer reading another's past, a router, an int4 zero point, a bit flipped in
+weights.bin; and faults in the blobs alone (the IR right), on the CPU at its default precision
+and on the NPU. `python scripts/mutate.py` runs any mutant over any fixture."""
+
+from __future__ import annotations
+
+import pytest
+from kvc import fixtures
+from tests.cli.runner import SMALL, kvc
+from tests.mutation.mutants import apply
+
+IR_CHECK = "the compiled pipeline does not reproduce"
+
+REFUSED = [  # (mutant, fixture, where, device, the refusal)
+    ("gen_positions_clamped_to_P", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_positions_clamped_to_P", "gpt2", "ir", "CPU", IR_CHECK),  # a learned position table
+    ("gen_last_past_slot_masked", "llama", "ir", "CPU", IR_CHECK),
+    ("chunk_past_beyond_C_ignored", "llama", "ir", "CPU", IR_CHECK),
+    ("window_off_by_one", "mistral", "ir", "CPU", IR_CHECK),
+    ("mask_positions_past_from_one", "starcoder2", "ir", "CPU", IR_CHECK),
+    ("gen_o_proj_1e3", "llama", "ir", "CPU", IR_CHECK),
+    ("first_q_proj_one_row_1e2", "llama", "ir", "CPU", IR_CHECK),
+    ("all_rms_eps_1e5", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_alibi_slopes_5pct", "bloom", "ir", "CPU", IR_CHECK),
+    ("gen_tied_lm_head_1e2", "qwen2", "ir", "CPU", IR_CHECK),
+    ("chunk_swap_present_kv_layer1", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_layer1_reads_layer0_past", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_router_gate_1e2", "qwen3_moe", "ir", "CPU", IR_CHECK),
+    ("all_int4_zero_point_one_group", "llama_int4_sym_g16", "ir", "CPU", IR_CHECK),
+    ("weights_bin_mantissa_bit", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_positions_clamped_to_P", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
+    ("chunk_swap_present_kv_layer1", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
+    ("gen_layer1_reads_layer0_past", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
+    # f32 arithmetic over an f16 cache: published by the bounds it had before ROUNDED_CACHE_STEP
+    ("gen_o_proj_3e2", "llama", "blob", "NPU", "the NPU blobs do not reproduce the static IR"),
+]
+
+
+@pytest.mark.parametrize("mutant, fixture, where, device, refusal", REFUSED,
+                         ids=[f"{m}-{f}-{w}-{d}" for m, f, w, d, _ in REFUSED])
+def test_the_proof_refuses_the_mutant(mutant, fixture, where, device, refusal, tmp_path, monkeypatch):
+    applied = apply(mutant, monkeypatch.setattr, monkeypatch.setenv, where)
+    out = tmp_path / "out"
+    result = kvc("compile", fixtures.path(fixture), "-o", out, *SMALL, "--device", device, code=4)
+    assert applied.edits, f"{mutant} edited nothing in {fixture}: it proves nothing"
+    assert refusal in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["ir", "blob"])
+def test_the_harness_leaves_a_correct_compile_passing(where, tmp_path, monkeypatch):
+    applied = apply("none", monkeypatch.setattr, monkeypatch.setenv, where)
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL)
+    assert not applied.edits and (tmp_path / "out" / "manifest.json").exists()
