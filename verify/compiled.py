@@ -293,8 +293,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
     does and run the probe cases through them. Judged against the IR's generations on kvc's
     numpy runtime when given (exact with f32 KV and f32 CPU arithmetic, else reduced precision),
-    their cache rows too (`judge_run`: the blobs' rows against the IR's, bounded by
-    BLOB_ROW_ERROR where the blobs compute below f32; not for an int8 cache, `stored_rows`),
+    their cache rows too (`judge_run`: the blobs' rows against the IR's, bounded by ROW_ERROR
+    where the blobs compute at f32; not for an int8 cache, `stored_rows`),
     else only for finite logits. With the `source` model's path, CPU blobs computing below f32
     are judged by bounds the plugin's own drift on each probe sets (`kvc.verify.peer_drift`;
     its runs made before the blobs are imported). An import or inference failure raises
@@ -403,7 +403,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import int8_kv, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import held_rows, source_run
     from kvc.verify.peer_drift import peer_for
@@ -422,8 +422,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     references = {}
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
-    # the models are read for their ops only when a backend computes below f32 (nrmse_limit)
-    selecting = ((int8_kv(kv_types) or any(reduced_arithmetic(b, configs[b]) for b in backends))  # step_limit's too
+    # the models are read for their ops only when a run is judged as reduced precision
+    # (nrmse_limit, step_limit, and the rounded cache's bounds, which a graph that selects keeps out of)
+    selecting = (any(reduced_precision(kv_types, b, configs[b]) for b in backends)
                  and directory_selects(directory, manifest))
     # OpenVINO CPU below f32 against the source at f32: judged by bounds the plugin's own drift
     # on each prompt sets, as the compile's blob check judged it (peer_drift).

@@ -32,9 +32,9 @@ bf16 blobs were at most 1.40x the peer's NRMSE, 1.49x its step error, 1.28x its 
 error on a 512-token prompt, hence a factor of 3. A graph that selects (a TopK router) keeps
 the fixed bounds and is only ever widened by the peer (a blob's flipped expert moves it where
 the peer's need not), and the peer never judges exact blobs (an f32 blob is judged exactly)
-nor runs without the IR's runs (--no-verify). `kvc verify` judges its OpenVINO CPU runs below f32 against the source at f32
-the same way, on the logits (those runs keep no cache rows). A peer that cannot be compiled or
-run leaves the fixed bounds' verdict, saying so.
+nor runs without the IR's runs (--no-verify). `kvc verify` judges its OpenVINO CPU runs below
+f32 against the source at f32 the same way, on the logits (those runs keep no cache rows). A
+peer that cannot be compiled or run leaves the fixed bounds' verdict, saying so.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def logit_noise(exact, peer, upto: int) -> tuple[float, int | None]:
 
 
 def peer_for(source, backend: str, config: dict | None, kv_element_types) -> "Peer | None":
-    """The peer of runs on `backend` with `config`, for the runs this module widens: OpenVINO
+    """The peer of runs on `backend` with `config`, for the runs this module judges: OpenVINO
     CPU computing below f32 (`reduced_arithmetic`), with the `source` model's path; else None."""
     from kvc.runtime.compare import reduced_arithmetic
 
