@@ -119,28 +119,52 @@ def _biased_generate_blobs(eps: float):
     return step
 
 
-@pytest.mark.parametrize("judged", ["peer", "fixed"])
-def test_a_generate_blob_fault_inside_the_fixed_bounds_is_refused_by_the_peers(judged, tmp_path, monkeypatch):
-    """llama's generate blobs with a logits bias of 0.04 per entry: a step error of 0.05 and an
-    NRMSE of 0.006, within the fixed bounds (0.25 and 0.01), which published it; the plugin's
-    own bf16 run of the source drifts 0.010 and 0.0013 on the same probe, so the peer's bounds
-    (3x) refuse it. (llama's correct blobs are within 1.3x of the peer: the other tests.)"""
-    from kvc.runtime.static_pipeline import StaticPipeline
+def _no_peer(monkeypatch):
     from kvc.verify import peer_drift
 
+    monkeypatch.setattr(peer_drift, "peer_for", lambda *args: None)  # the fixed bounds alone
+
+
+def _old_rounded_cache_bounds(monkeypatch):
+    from kvc.runtime import compare
+
+    monkeypatch.setattr(compare, "ROUNDED_CACHE_NRMSE", {"f16": compare.F16_NRMSE, "bf16": compare.F16_NRMSE})
+    monkeypatch.setattr(compare, "ROUNDED_CACHE_STEP", {"f16": STEP_ERROR, "bf16": STEP_ERROR})
+
+
+# form: (compile arguments, the bounds it was judged by before, its refusal now)
+BIASED = {
+    # bf16 CPU blobs: a step error of 0.05 and an NRMSE of 0.006 where the plugin's own bf16 run
+    # of the source drifts 0.010 and 0.0013 (llama's correct blobs are within 1.3x of it)
+    "cpu-bf16": (("--inference-precision", "bf16"), _no_peer,
+                 r"the CPU blobs do not reproduce the static IR: prompt of \d+ tokens: step \d+'s logits are not "
+                 r"the reference's: their error is 0\.0\d+ of the logits' spread \(at most 0\.0[23]\d*\); OpenVINO "
+                 r"CPU's own bf16 run of the source model drifts NRMSE"),
+    # NPU blobs on NPUW's CPU backend: f32 over an f16 cache (llama's correct ones: NRMSE under 1e-4)
+    "npu": ((*SMALL, "--device", "NPU"), _old_rounded_cache_bounds,
+            r"the NPU blobs do not reproduce the static IR: prompt of \d+ tokens: (step \d+'s logits are not the "
+            r"reference's: their error is 0\.0\d+ of the logits' spread \(at most 0\.01\)|NRMSE 0\.00\d+ > 0\.001)"),
+}
+
+
+@pytest.mark.parametrize("bounds", ["now", "before"])
+@pytest.mark.parametrize("form", BIASED)
+def test_a_generate_blob_fault_inside_the_old_bounds_is_refused(form, bounds, tmp_path, monkeypatch):
+    """llama's generate blobs with a logits bias of 0.04 per entry pass the bounds they were
+    judged by before (NRMSE 0.01 and a step error of 0.25) and are refused by the plugin's own
+    drift (bf16 CPU blobs, 3x) and by ROUNDED_CACHE_NRMSE and ROUNDED_CACHE_STEP (the NPU's)."""
+    from kvc.runtime.static_pipeline import StaticPipeline
+
+    args, before, refusal = BIASED[form]
     monkeypatch.setattr(StaticPipeline, "_decode_step", _biased_generate_blobs(0.04))
-    if judged == "fixed":
-        monkeypatch.setattr(peer_drift, "peer_for", lambda *args: None)
     out = tmp_path / "out"
-    args = ("compile", fixtures.path("llama"), "-o", out, "--inference-precision", "bf16")
-    if judged == "fixed":
-        kvc(*args)
+    if bounds == "before":
+        before(monkeypatch)
+        kvc("compile", fixtures.path("llama"), "-o", out, *args)
         assert out.exists()
         return
-    result = kvc(*args, code=4)
-    assert re.search(r"the CPU blobs do not reproduce the static IR: prompt of \d+ tokens: step \d+'s logits are "
-                     r"not the reference's: their error is 0\.0\d+ of the logits' spread \(at most 0\.0[23]\d*\); "
-                     r"OpenVINO CPU's own bf16 run of the source model drifts NRMSE", result.output)
+    result = kvc("compile", fixtures.path("llama"), "-o", out, *args, code=4)
+    assert re.search(refusal, result.output)
     assert not out.exists()
 
 
@@ -161,29 +185,3 @@ def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypat
     assert ("(by the fixed bounds: OpenVINO CPU's own bf16 run of the source model, which sets them, failed: "
             "cannot compile for CPU: out of memory)") in result.output
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("bounds", ["rounded-cache", "old"])
-def test_an_npu_blob_fault_is_refused_by_the_rounded_cache_bounds(bounds, tmp_path, monkeypatch):
-    """NPU blobs on NPUW's CPU backend compute at f32 over an f16 cache, which only the cache's
-    rounding moves (llama's: NRMSE under 1e-4 against the IR). Its generate blobs with a logits
-    bias of 0.04 per entry pass the bounds they were judged by before (NPUW's NRMSE 0.01, a step
-    error of 0.25) and are refused by ROUNDED_CACHE_NRMSE and ROUNDED_CACHE_STEP."""
-    from kvc.runtime import compare
-    from kvc.runtime.static_pipeline import StaticPipeline
-
-    monkeypatch.setattr(StaticPipeline, "_decode_step", _biased_generate_blobs(0.04))
-    if bounds == "old":
-        monkeypatch.setattr(compare, "ROUNDED_CACHE_NRMSE", {"f16": compare.F16_NRMSE, "bf16": compare.F16_NRMSE})
-        monkeypatch.setattr(compare, "ROUNDED_CACHE_STEP", {"f16": STEP_ERROR, "bf16": STEP_ERROR})
-    out = tmp_path / "out"
-    args = ("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "NPU")
-    if bounds == "old":
-        kvc(*args)
-        assert out.exists()
-        return
-    result = kvc(*args, code=4)
-    assert re.search(r"the NPU blobs do not reproduce the static IR: prompt of \d+ tokens: (step \d+'s logits are "
-                     r"not the reference's: their error is 0\.0\d+ of the logits' spread \(at most 0\.01\)|"
-                     r"NRMSE 0\.00\d+ > 0\.001)", result.output)
-    assert not out.exists()
