@@ -506,10 +506,14 @@ def _model_config(source_dir: Path) -> dict:
 
 
 def model_window(source_dir: Path) -> int | None:
-    """The sliding window the model's config.json states (`sliding_window`, unless
-    `use_sliding_window` is false), for the compile's window probe; None when it states none."""
+    """The sliding window the model's config.json states, for the compile's window probe:
+    `sliding_window` (Mistral, Qwen2, Starcoder2, Gemma, Cohere2, GPT-OSS; unless
+    `use_sliding_window` is false), or GPT-Neo's `window_size` where its `attention_types`
+    name local layers; None when it states none."""
     config = _model_config(source_dir)
     window = config.get("sliding_window")
+    if window is None and "local" in json.dumps(config.get("attention_types")):
+        window = config.get("window_size")
     if config.get("use_sliding_window") is False or isinstance(window, bool) or not isinstance(window, int):
         return None
     return window if window > 0 else None

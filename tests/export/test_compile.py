@@ -426,6 +426,21 @@ def test_a_sliding_window_gets_a_probe_past_it(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_gpt_neos_local_attention_window_gets_a_probe_past_it(tmp_path):
+    """GPT-Neo states its local layers' window as `window_size` (with `attention_types`), not
+    `sliding_window`: without reading it, no probe at P 64 attended past its 32 rows (the longest
+    from position 0 had 25 tokens; far probes start over empty rows)."""
+    from kvc.export.compile import model_window
+    from kvc.ir.reader import resolve
+
+    assert model_window(resolve(fixtures.path("gpt_neo")).root) == 32
+    assert model_window(resolve(fixtures.path("mistral")).root) == 32
+    assert model_window(resolve(fixtures.path("qwen2")).root) is None  # use_sliding_window: false
+    assert model_window(resolve(fixtures.path("llama")).root) is None
+    manifest = compile_to(fixtures.path("gpt_neo"), tmp_path / "out", CompileOptions(ONE_VARIANT))
+    assert 41 in [r["prompt_tokens"] for r in manifest["verification"]["results"]]
+
+
 def test_force_replaces_only_when_complete(tmp_path):
     out = tmp_path / "out"
     compile_to(fixtures.path("llama"), out, CompileOptions(SMALL, verify=False))
