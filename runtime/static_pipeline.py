@@ -135,7 +135,7 @@ class StaticPipeline:
         self.buffers[spec.input][self._rows(spec, at, at + n)] = rows
         self._written = max(self._written, at + n)
 
-    def _clear_from(self, row: int) -> None:
+    def clear_from(self, row: int) -> None:
         """Zero every buffer's rows from `row` on, in place (sessions hold views of the buffers):
         masked rows get a weight of exactly 0, but 0 times a NaN left by an earlier run is NaN.
         Only rows written since the last clearing (a 16-token prompt at P 1024 zeroed 1152 rows
@@ -292,7 +292,7 @@ class StaticPipeline:
                                  f"before them (up to {end}) and leave the last prompt token ({n - 1}) to compute")
             skip.append((at, at + count))
             end = at + count
-        self._clear_from(reuse)  # rows past the prompt's restored ones
+        self.clear_from(reuse)  # rows past the prompt's restored ones
         for at, rows in placed:
             self.restore_rows(rows, at)
         gen = StaticGeneration(prompt=[int(t) for t in prompt[origin:]], cached_tokens=reuse,
@@ -357,7 +357,7 @@ class StaticPipeline:
                 or origin < 0 or last_stored > variant - L.tokens):
             raise UsageError(f"cannot decode a {len(prompt)}-token prompt and {new_tokens} new tokens on generate "
                              f"variant {variant} from position {origin}")
-        self._clear_from(0)
+        self.clear_from(0)
         gen = StaticGeneration(prompt=[int(t) for t in prompt], origin=origin)
         stored, kept = origin, True
         for token in prompt:

@@ -340,8 +340,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             got = run_probe(pipe, probe)
         else:
             run, kv = done
-            for buffer in pipe.buffers.values():
-                buffer[...] = 0
+            pipe.clear_from(0)
             pipe.restore_rows(kv, probe.origin)
             got = pipe.decode_from(run, start_variant=probe.start)
         if on_step is not None:
