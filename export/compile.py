@@ -270,10 +270,10 @@ def compile_and_open(model_path: str | Path, out: str | Path, options: CompileOp
     `options.devices`) ready to generate: (manifest, StaticPipeline). It serves the blobs the
     compile's blob check imported and ran, so nothing is imported again: the same pipeline as
     `open_compiled(out, backend)` (OpenVINO CPU for "CPU", the NPU plugin for "NPU"), without
-    the open's time (the 250M Llama to a pipeline on CPU: 16.9 s with `kvc compile` and an
-    open, 14.0 s in one call; docs/benchmarks.md). The check then holds that device's prefill
-    blobs while it imports its generate blobs, as an open does: its peak, 2.47 GB for the
-    250M Llama against 2.14 for `kvc compile`, stays below NPUW_LLM's compile (2.64)."""
+    the open's time (on the 250M Llama about 2.5 s less than `kvc compile` and an open;
+    docs/benchmarks.md has the figures). The check then holds that device's prefill blobs
+    while it imports its generate blobs, as an open does: its peak is above `kvc compile`'s
+    and stays below NPUW_LLM's compile on that model."""
     device = device or options.devices[0]
     if device not in options.devices:
         raise UsageError(f"cannot open the pipeline on {device}: the compile is for {', '.join(options.devices)}")
