@@ -251,3 +251,20 @@ def test_logit_noise_stops_at_the_peers_own_divergence_without_its_swapped_token
     flipped = edit(ref, 1, 40, 1.0, noise=0.01, above=ref.tokens[1])  # the peer flips step 1 itself
     noise, own = logit_noise(ref, flipped, upto=3)
     assert own == 1 and noise <= 0.01  # its steps after 1 condition on another token; its swap left out
+
+
+def test_small_logits_get_an_exact_bound_their_size():
+    """Logits scaled down (Cohere's logit_scale) are computed as precisely relative to their
+    size: an error of 5e-5 on logits reaching 0.2 is 0.025% of them, refused; the same run
+    scaled up to logits of 20 keeps f32_bound (1e-4 + 1e-5 x 20), where 5e-5 is rounding."""
+    from kvc.runtime.compare import logit_bound
+
+    ref = run()
+    big = max(float(np.abs(r).max()) for r in ref.logits)
+    for scale, ok in ((0.2 / big, False), (20 / big, True)):
+        scaled = Generation(ref.prompt, ref.tokens, [r * np.float32(scale) for r in ref.logits])
+        off = Generation(ref.prompt, ref.tokens, [r.copy() for r in scaled.logits])
+        off.logits[1][7] += np.float32(5e-5)
+        assert judge(scaled, off).ok == ok
+    assert logit_bound(np.array([0.2])) == pytest.approx(1e-4 * 0.2 + 1e-5 * 0.2)
+    assert logit_bound(np.array([20.0])) == f32_bound(np.array([20.0]))
