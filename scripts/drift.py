@@ -40,7 +40,7 @@ FORMS = {  # name: (the static options given, the devices, the CPU blobs' precis
 }
 METRICS = ("nrmse", "step_error", "cache_error")
 # Blobs judged by the plugin's own drift (kvc.verify.peer_drift): how far they are from it.
-PEER_RATIOS = (("nrmse", "nrmse"), ("step_error", "step_error"), ("cache_error", "cache_error"), ("noise", "noise"))
+PEER_RATIOS = ("nrmse", "step_error", "cache_error", "noise")  # each beside its `peer_` twin in a row
 
 
 def main() -> int:
@@ -78,8 +78,8 @@ def main() -> int:
             for engine, row in rows:
                 where = f"{name} prompt {row['prompt_tokens']}" + (
                     f" from {row['from_position']}" if row.get("from_position") else "")
-                ratios = {f"{m} / peer": row[m] / max(row[f"peer_{p}"], 1e-12) for m, p in PEER_RATIOS
-                          if row.get(m) is not None and row.get(f"peer_{p}") is not None}
+                ratios = {f"{m} / peer": row[m] / max(row[f"peer_{m}"], 1e-12) for m in PEER_RATIOS
+                          if row.get(m) is not None and row.get(f"peer_{m}") is not None}
                 for metric in (*METRICS, *ratios):
                     value = ratios[metric] if metric in ratios else row.get(metric)
                     key = (form, engine, metric)

@@ -312,9 +312,11 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
-    reduced = reduced_precision(kv_types, backend, config)
-    limit, bound = nrmse_limit(kv_types, selecting, backend, config), step_limit(kv_types, selecting, backend, config)
-    blob_bounds = BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR
+    policy = {"reduced": reduced_precision(kv_types, backend, config),
+              "limit": nrmse_limit(kv_types, selecting, backend, config),
+              "step_bound": step_limit(kv_types, selecting, backend, config),
+              "row_bounds": BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR,
+              "against": "the IR's"}
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
     if peer is not None:
         peer.prepare([(probe.prompt, len(exact.tokens), probe.origin) for probe, exact in zip(cases, ir_gens)])
@@ -345,14 +347,11 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             got = pipe.decode_from(run, start_variant=probe.start)
         if on_step is not None:
             on_step(len(cases) + i + 1, steps)
-        prompt = probe.prompt
         row = {"device": device, **probe_row(probe), "variants": sorted(set(got.variants))}
         if ir_gens is not None:
             got.cache = stored_rows(pipe, got.kv_rows, got.origin)
-            policy = {"reduced": reduced, "limit": limit, "step_bound": bound, "row_bounds": blob_bounds,
-                      "against": "the IR's"}
             row.update(judge_run(ir_gens[i], got, pipe.plan.kv, **policy) if peer is None else
-                       peer.judge(ir_gens[i], got, prompt, pipe.plan.kv, selects=selecting, **policy))
+                       peer.judge(ir_gens[i], got, probe.prompt, pipe.plan.kv, selects=selecting, **policy))
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")

@@ -102,6 +102,14 @@ def scale_weight(model, pattern, factor, where=None) -> int:
     return sum(edit_const(op, f) for op in consts(model, pattern))
 
 
+def scale_matmul_weight(matmul, factor: float) -> int:
+    """`matmul` reads a copy of its constant weight `factor` times larger (the constant's other
+    readers, a tied embedding's Gather, keep it)."""
+    d = np.array(matmul.input_value(1).get_node().get_data()).astype(np.float32) * np.float32(factor)
+    matmul.input(1).replace_source_output(ops.constant(d).output(0))
+    return 1
+
+
 def generate(name) -> bool:
     return name.startswith("generate-")
 
@@ -242,16 +250,9 @@ def gen_tied_lm_head_1e2(name, model):
     """generate: the lm_head MatMul reads a copy of the tied embedding 1% larger."""
     if not generate(name):
         return 0
-    n = 0
-    for op in model.get_ops():
-        if op.get_type_name() == "MatMul":
-            c = op.input_value(1).get_node()
-            if c.get_type_name() == "Constant" and any(t.get_node().get_type_name() == "Gather"
-                                                       for t in c.output(0).get_target_inputs()):
-                d = np.array(c.get_data()).astype(np.float32) * np.float32(1.01)
-                op.input(1).replace_source_output(ops.constant(d).output(0))
-                n += 1
-    return n
+    return sum(scale_matmul_weight(op, 1.01) for op in model.get_ops()
+               if op.get_type_name() == "MatMul" and op.input_value(1).get_node().get_type_name() == "Constant"
+               and any(t.get_node().get_type_name() == "Gather" for t in op.input_value(1).get_target_inputs()))
 
 
 @mutant
@@ -283,15 +284,10 @@ def gen_router_gate_1e2(name, model):
     """generate: the mixture-of-experts router's weights 1% too large."""
     if not generate(name):
         return 0
-    n = 0
-    for op in model.get_ops():
-        if op.get_type_name() == "Softmax" and op.get_output_partial_shape(0).rank.get_length() == 2:
-            mm = op.input_value(0).get_node()
-            if mm.get_type_name() == "MatMul" and mm.input_value(1).get_node().get_type_name() == "Constant":
-                d = np.array(mm.input_value(1).get_node().get_data()).astype(np.float32) * np.float32(1.01)
-                mm.input(1).replace_source_output(ops.constant(d).output(0))
-                n += 1
-    return n
+    routers = [op.input_value(0).get_node() for op in model.get_ops()
+               if op.get_type_name() == "Softmax" and op.get_output_partial_shape(0).rank.get_length() == 2]
+    return sum(scale_matmul_weight(mm, 1.01) for mm in routers
+               if mm.get_type_name() == "MatMul" and mm.input_value(1).get_node().get_type_name() == "Constant")
 
 
 @mutant
