@@ -350,12 +350,14 @@ def judge(ref, actual, *, reduced: bool = False, limit: float = F16_NRMSE,
                                  f"{c.step_error:.3g} of the logits' spread (at most {step_bound:.3g})")
     if c.nrmse > limit:
         return Verdict(False, c, f"NRMSE {c.nrmse:.3g} > {limit}")
+    within = f"NRMSE {c.nrmse:.3g} (at most {limit:.3g})" + (
+        "" if step_bound is None else f", worst step {c.step_error:.3g} (at most {step_bound:.3g})")
     if div is None:
-        return Verdict(True, c, f"identical tokens, NRMSE {c.nrmse:.3g}")
+        return Verdict(True, c, f"identical tokens, {within}")
     what = (f"token {div} differs ({ref.tokens[div]} expected, {actual.tokens[div]} found) at reference margin "
             f"{c.margin_at_divergence:.3g}")
     noise = c.noise if noise_cap is None else min(c.noise, noise_cap)
     said = f"{noise:.3g}" + (f" (this run's own {c.noise:.3g}, capped)" if noise < c.noise else "")
     if c.margin_at_divergence >= 2 * noise:
         return Verdict(False, c, f"{what}, not below twice the logit noise {said} before it")
-    return Verdict(True, c, f"{what}, below twice the logit noise {said}: a near-tie")
+    return Verdict(True, c, f"{what}, below twice the logit noise {said}: a near-tie; {within}")

@@ -109,7 +109,7 @@ class Drift:
         noise = "" if self.noise is None else f", logit noise {self.noise:.3g}"
         same = ", and chooses the same token where this run differs" if self.same_choice else ""
         return (f"OpenVINO CPU's own {self.precision} run of the source model drifts NRMSE {self.nrmse:.3g}, "
-                f"step error {self.step_error:.3g}{rows}{noise} from exact here{same}")
+                f"step error {self.step_error:.3g}{rows}{noise}{same}")
 
     def to_dict(self) -> dict:
         out = {"peer_nrmse": self.nrmse, "peer_step_error": self.step_error, "peer_cache_error": self.row_error,

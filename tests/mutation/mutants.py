@@ -305,6 +305,58 @@ def all_int4_zero_point_one_group(name, model):
     return 0
 
 
+def _rope_frequencies(model):
+    """RoPE's inverse frequencies: a [1, D/2, 1] float constant, 1 first, then geometric."""
+    found = []
+    for op in consts(model, r"."):
+        d = np.array(op.get_data())
+        if d.ndim == 3 and d.shape[0] == 1 and d.shape[2] == 1 and d.shape[1] >= 2 and d.dtype.kind == "f":
+            v = d.ravel().astype(np.float64)
+            if v[0] == 1 and v[1] < 1 and np.allclose(v[1:] / v[:-1], v[1] / v[0], rtol=1e-3):
+                found.append(op)
+    return found
+
+
+@mutant
+def gen_rope_theta_1e3(name, model):
+    """generate: RoPE's inverse frequencies 0.1% too low (a rope_theta read slightly wrong)."""
+    if not generate(name):
+        return 0
+    return sum(edit_const(op, lambda d: d * np.float32(1 - 1e-3)) for op in _rope_frequencies(model))
+
+
+@mutant
+def gen_attention_scale_1e2(name, model):
+    """generate: attention scores scaled 1% too much (a head size or scale read wrong)."""
+    if not generate(name):
+        return 0
+    n = 0
+    for op in model.get_ops():  # the scale: a scalar in (0, 1) that a ConvertLike feeds toward a Softmax
+        if op.get_type_name() == "ConvertLike" and "attention" in op.get_friendly_name():
+            c = op.input_value(0).get_node()
+            if c.get_type_name() == "Constant" and scalar(c) is not None and 0 < scalar(c) < 1:
+                n += edit_const(c, lambda d: d * 1.01)
+    return n
+
+
+@mutant
+def all_int8_scale_one_channel_1e2(name, model):
+    """every model: one output channel of the first 8-bit weight decompressed with a scale 1% too
+    large."""
+    for op in model.get_ordered_ops():
+        if (op.get_type_name() == "Constant" and op.get_element_type().get_type_name() in ("i8", "u8")
+                and len(op.get_output_shape(0)) == 2 and op.get_output_shape(0)[1] > 1):
+            node = next(t.get_node() for t in op.output(0).get_target_inputs())  # Convert
+            while node.get_type_name() != "Multiply":
+                node = next(t.get_node() for t in node.output(0).get_target_inputs())
+            rows = node.get_output_shape(0)[0]
+            factor = np.ones((rows, 1), np.float32)
+            factor[3] = 1.01
+            et = node.get_output_element_type(0).to_dtype()
+            return reroute(node.output(0), lambda x: ops.multiply(x, ops.constant(factor.astype(et))))
+    return 0
+
+
 def _flip_a_weight_bit(setattr_, applied, bit: int = 22):
     """After the IR is saved and before it is verified, one bit of one element of the first
     f32 [64, 64] weight in weights.bin flipped (a storage error)."""

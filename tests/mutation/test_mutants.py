@@ -3,9 +3,10 @@ mutant here must be refused, naming the check that refused it, and the harness i
 leave a correct compile passing. A selection of the 2026-11-27 campaign, each a fault that kvc
 once published or that a check exists for: positions and past slots only far probes reach, a
 window one token short, weights 0.1% off, an epsilon, ALiBi slopes, a tied head, K and V
-swapped, a layer reading another's past, a router, an int4 zero point, a bit flipped in
-weights.bin; and faults in the blobs alone (the IR right), on the CPU at its default precision
-and on the NPU. `python scripts/mutate.py` runs any mutant over any fixture."""
+swapped, a layer reading another's past, a router, an int4 zero point, an int8 scale, RoPE's
+frequencies, the attention's scale, a bit flipped in weights.bin; and faults in the blobs alone
+(the IR right), on the CPU at its default precision and on the NPU, and with exact blobs where
+the default's bounds are wide (a router's). `python scripts/mutate.py` runs any mutant over any fixture."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_layer1_reads_layer0_past", "llama", "ir", "CPU", IR_CHECK),
     ("gen_router_gate_1e2", "qwen3_moe", "ir", "CPU", IR_CHECK),
     ("all_int4_zero_point_one_group", "llama_int4_sym_g16", "ir", "CPU", IR_CHECK),
+    ("all_int8_scale_one_channel_1e2", "llama_int8", "ir", "CPU", IR_CHECK),
+    ("gen_rope_theta_1e3", "llama", "ir", "CPU", IR_CHECK),
+    ("gen_attention_scale_1e2", "llama", "ir", "CPU", IR_CHECK),
     ("weights_bin_mantissa_bit", "llama", "ir", "CPU", IR_CHECK),
     ("gen_positions_clamped_to_P", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
     ("chunk_swap_present_kv_layer1", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
@@ -58,3 +62,16 @@ def test_the_harness_leaves_a_correct_compile_passing(where, tmp_path, monkeypat
     applied = apply("none", monkeypatch.setattr, monkeypatch.setenv, where)
     kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL)
     assert not applied.edits and (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_exact_blobs_refuse_what_a_routers_bounds_let_through(tmp_path, monkeypatch):
+    """gpt_oss selects experts, so its bf16 blobs keep the fixed bounds (an expert that flips
+    moves a whole token): its sliding window one token short in the blobs alone, 7 to 10x the
+    plugin's own drift (NRMSE 0.013-0.016 against 0.0016-0.002), passes them at the default
+    precision (docs/verification.md). Exact blobs are judged by the exact rules and refuse it."""
+    applied = apply("window_off_by_one", monkeypatch.setattr, monkeypatch.setenv, "blob")
+    out = tmp_path / "out"
+    result = kvc("compile", fixtures.path("gpt_oss"), "-o", out, *SMALL, "--inference-precision", "f32",
+                 "--kv-precision", "f32", code=4)
+    assert applied.edits and "the CPU blobs do not reproduce the static IR" in result.output
+    assert not out.exists()

@@ -171,6 +171,17 @@ def test_logit_drift_beyond_tolerance_with_equal_tokens():
     assert judge(ref, got, reduced=True).ok  # NRMSE ~1e-4
 
 
+def test_a_reduced_precision_pass_says_each_measure_against_its_bound():
+    """What `kvc compile` prints of every blob probe: the margin a pass had, not only that it passed."""
+    ref = run()
+    got = edit(ref, 0, 0, ref.logits[0][0], noise=0.01)
+    v = judge(ref, got, reduced=True, limit=0.004, step_bound=0.03)
+    c = v.comparison
+    assert v.ok and v.reason == (f"identical tokens, NRMSE {c.nrmse:.3g} (at most 0.004), worst step "
+                                 f"{c.step_error:.3g} (at most 0.03)")
+    assert judge(ref, got, reduced=True, limit=0.004, step_bound=None).reason.endswith("(at most 0.004)")
+
+
 def test_a_selecting_graph_widens_the_bound_only_for_reduced_arithmetic():
     """A TopK turns rounding into another expert where the arithmetic is below f32; kvc's numpy
     runtime and f32 CPU blobs compute in f32 and keep the f16 bound whatever the KV type."""
