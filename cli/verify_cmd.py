@@ -38,8 +38,10 @@ def _backends(text: str) -> tuple[str, ...]:
 def verify(out, against, backends, prompts_file, max_new_tokens, reference, record, goldens, from_ir, as_json):
     """Run OUT's pipeline and the original model; exit 4 on a mismatch.
 
-    Logits: max abs ≤ 1e-4 with f32 KV; with f16 KV (or the NPU plugin) NRMSE ≤ 0.01, and a
-    token may differ only at a near-tie, which is reported with its step and margin.
+    The prompts, then the compile's own probes (which reach every model's last positions and
+    slots). Logits: exact (max abs ≤ 1e-4) on kvc's numpy runtime and with f32 KV; below f32
+    (f16 KV, the NPU plugin, bf16 CPU blobs) by NRMSE and each step's error, and a token may
+    differ only at a near-tie, which is reported with its step and margin.
     """
     from kvc.verify import goldens as golden_files
     from kvc.verify.compiled import verify_compiled
@@ -71,9 +73,14 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
                              new_tokens=max_new_tokens, reference_backend=reference, from_ir=from_ir)
     _finish(report, as_json, ["backend", "prompt", "tokens", "max abs", "NRMSE", "top-1", "first divergent",
                               "KV rows", "result"],
-            lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], f"{r['max_abs']:.2g}", f"{r['nrmse']:.2g}",
+            lambda r: (r["backend"], r["prompt"], _tokens(r), f"{r['max_abs']:.2g}", f"{r['nrmse']:.2g}",
                        f"{r['top1']:.2f}", _dash(r["first_divergent_token"]),
                        f"{r['cache_error']:.2g}" if "cache_error" in r else "-", r["reason"]))
+
+
+def _tokens(row: dict) -> str:
+    """A prompt's length, and where a far probe starts (`probe_cases`)."""
+    return f"{row['prompt_tokens']}" + (f" from {row['from_position']}" if row.get("from_position") else "")
 
 
 def _dash(v):
@@ -87,5 +94,8 @@ def _finish(report: dict, as_json: bool, headers, row) -> None:
         click.echo(table(headers, [row(r) for r in report["results"]]))
         click.echo("verification: " + ("OK" if report["ok"] else "MISMATCH"))
     if not report["ok"]:
+        from kvc.verify.compiled import probe_label
+
         bad = next(r for r in report["results"] if not r["ok"])
-        raise VerificationError(f"mismatch: {bad['reason']}")
+        where = ", ".join(w for w in (bad.get("backend"), probe_label(bad) if "prompt_tokens" in bad else None) if w)
+        raise VerificationError(f"mismatch{' on ' + where if where else ''}: {bad['reason']}")

@@ -38,6 +38,7 @@ class Generation:
     # variables by variable id, a stateless one's last past by input name; the checks hold every
     # cache by the static models' input names (kvc.verify.cache_rows).
     cache: dict[str, np.ndarray] | None = None
+    origin: int = 0  # the prompt's first position: the rows before it are empty (compile's far probes)
 
 
 def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 0) -> dict[str, np.ndarray]:
@@ -119,7 +120,7 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         session.reset()
     stateless = is_stateless(session)
     past = empty_past(session, 1) if stateless else {}
-    gen = Generation(prompt=[int(t) for t in ids[0]])
+    gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin)
     past_len = 0
     step_ids = ids
     for step in range(max_new_tokens):

@@ -53,7 +53,6 @@ class StaticGeneration(Generation):
     placed_tokens: int = 0  # prompt tokens whose rows were reused from another context: approximate (chunk reuse)
     finish_reason: str = "length"  # "stop": an end-of-sequence token ended it
     kv_rows: int = 0  # cache rows valid after the call: the prompt, then every generated token but the last
-    origin: int = 0  # the prompt's first position: the rows before it are empty (compile's far probes)
 
     def metrics(self, load_seconds: float | None = None) -> dict:
         """What openvino.genai's PerfMetrics report, in milliseconds: TTFT (the prefill, which

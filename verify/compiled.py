@@ -396,14 +396,23 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     """Run a compiled directory on each backend and the source model on `reference_backend`;
     judge every prompt (REFERENCE.md §7 tolerances; f16 KV judged by NRMSE and near-ties), and
     on the numpy backend the cache rows too (`judge_run`). OpenVINO CPU runs below f32 are
-    judged by bounds the plugin's own drift sets (`kvc.verify.peer_drift`)."""
+    judged by bounds the plugin's own drift sets (`kvc.verify.peer_drift`).
+
+    The prompts (`default_prompts` unless given) are followed by the compile's own probes
+    (`probe_cases`, generating up to `new_tokens` on the short one): its far probes reach the
+    last positions and slots of every model, which no prompt from position 0 within P + 16
+    does, and a past slot never read was verified OK without them. The numpy backend runs the
+    IR as the compile's check does, widened where the cache is f16 or bf16 (`widens`) and judged
+    by the exact rules: on the stored cache, judged as reduced precision, an o_proj 3% too large
+    was verified OK, its flips excused as near-ties by its own error (tests/mutation)."""
     from pathlib import Path
 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
+    from kvc.export.compile import model_window
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.verify.cache_rows import held_rows, source_run
+    from kvc.verify.cache_rows import ROW_ERROR, held_rows, source_run
     from kvc.verify.peer_drift import peer_for
 
     directory = Path(directory)
@@ -416,7 +425,10 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     ref = reference_session(source, reference_backend)
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
     prompts = prompts or default_prompts(lengths, vocab)
+    cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]
+    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory))
     kv_types = plan.kv_element_types
+    exact = widens(kv_types)  # the numpy backend runs the IR widened, as the compile's check does
     references = {}
     rows = []
     configs = {b: backend_config(manifest, b, from_ir=from_ir) for b in backends}
@@ -428,20 +440,22 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     # on each prompt sets, as the compile's blob check judged it (peer_drift).
     peers = {b: peer_for(source, b, configs[b], kv_types) for b in backends} if reference_backend == "openvino" else {}
     for backend in backends:
-        pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir)  # files checked above
-        for i, prompt in enumerate(prompts):
-            n = min(new_tokens, max_new_tokens(lengths, len(prompt)))
-            if (i, n) not in references:
-                references[(i, n)] = source_run(ref, prompt, n)
-            got = pipe.generate(prompt, n)
+        widened = backend == "numpy" and exact
+        pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widened)  # files checked above
+        for i, probe in enumerate(cases):
+            if i not in references:
+                references[i] = source_run(ref, probe.prompt, probe.new_tokens, probe.origin)
+            got = run_probe(pipe, probe)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
-                got.cache = held_rows(pipe, got.kv_rows)
-            policy = {"reduced": reduced_precision(kv_types, backend, configs[backend]),
+                got.cache = held_rows(pipe, got.kv_rows, got.origin)
+            policy = {"reduced": not widened and reduced_precision(kv_types, backend, configs[backend]),
                       "limit": nrmse_limit(kv_types, selecting, backend, configs[backend]),
                       "step_bound": step_limit(kv_types, selecting, backend, configs[backend])}
-            row = {"backend": backend, "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n,
-                   **(judge_run(references[(i, n)], got, plan.kv, **policy) if peers.get(backend) is None else
-                      peers[backend].judge(references[(i, n)], got, prompt, plan.kv, against="the source model's",
+            if widened:
+                policy["row_bounds"] = dict.fromkeys(ROW_ERROR, ROW_ERROR["f32"])
+            row = {"backend": backend, "prompt": i, **probe_row(probe),
+                   **(judge_run(references[i], got, plan.kv, **policy) if peers.get(backend) is None else
+                      peers[backend].judge(references[i], got, probe.prompt, plan.kv, against="the source model's",
                                            selects=selecting, **policy))}
             rows.append(row)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,

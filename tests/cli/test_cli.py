@@ -243,7 +243,12 @@ def test_verify_table_and_json(compiled):
     result = kvc("verify", compiled, "--backends", "numpy,openvino", "--max-new-tokens", "6")
     assert "verification: OK" in result.output and "backend" in result.output
     data = json.loads(kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "4", "--json").stdout)
-    assert data["ok"] and {r["prompt_tokens"] for r in data["results"]} == {1, 32, 64}
+    assert data["ok"] and [r["prompt_tokens"] for r in data["results"][:3]] == [1, 32, 64]
+    # then the compile's probes, whose far ones start where no prompt from position 0 reaches
+    far = [r for r in data["results"] if r.get("from_position")]
+    last_fed = max(r["from_position"] + r["prompt_tokens"] + r["new_tokens"] - 2 for r in far)
+    assert last_fed == 127  # the capacity's last position (P 64 + R 64)
+    assert "from 126" in result.output
 
 
 def test_verify_against_another_model_fails_with_exit_4(compiled):
@@ -255,7 +260,8 @@ def test_verify_prompts_file(compiled, tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps([[1, 2, 3], {"ids": [4, 5]}]))
     data = json.loads(kvc("verify", compiled, "--prompts", f, "--backends", "numpy", "--json").stdout)
-    assert [r["prompt_tokens"] for r in data["results"]] == [3, 2]
+    assert [r["prompt_tokens"] for r in data["results"][:2]] == [3, 2]
+    assert all(r["prompt"] == i for i, r in enumerate(data["results"]))  # the compile's probes follow
     f.write_text('{"nope": 1}')
     assert "expected a JSON list" in kvc("verify", compiled, "--prompts", f, code=2).output
 

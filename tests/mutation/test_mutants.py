@@ -75,3 +75,29 @@ def test_exact_blobs_refuse_what_a_routers_bounds_let_through(tmp_path, monkeypa
                  "--kv-precision", "f32", code=4)
     assert applied.edits and "the CPU blobs do not reproduce the static IR" in result.output
     assert not out.exists()
+
+
+VERIFY_REFUSED = [  # (mutant, where, the backend that refuses it)
+    # the blobs never read their last past slot: only the compile's far probes reach it
+    ("gen_last_past_slot_masked", "blob", "openvino"),
+    # an IR fault the numpy backend verified OK on the stored bf16 cache, its flipped tokens
+    # excused as near-ties by its own error; widened and exact, as the compile checks the IR
+    ("gen_o_proj_3e2", "ir", "numpy"),
+]
+
+
+@pytest.mark.parametrize("mutant, where, backend", VERIFY_REFUSED, ids=[f"{m}-{w}" for m, w, _ in VERIFY_REFUSED])
+def test_kvc_verify_refuses_what_the_compile_refuses(mutant, where, backend, tmp_path, monkeypatch):
+    """`kvc verify` on a directory compiled without the compile's check (--no-verify, or by an
+    older kvc): both faults were verified OK before it ran the compile's probes and judged its
+    numpy runs as the compile does."""
+    import json
+
+    applied = apply(mutant, monkeypatch.setattr, monkeypatch.setenv, where)
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--no-verify")
+    assert applied.edits
+    result = kvc("verify", out, code=4)
+    assert f"kvc: error: mismatch on {backend}, prompt of" in result.output
+    report = json.loads(kvc("verify", out, "--backends", backend, "--json", code=4).stdout.split("\nkvc: error")[0])
+    assert not report["ok"]
