@@ -80,6 +80,9 @@ def test_exact_blobs_refuse_what_a_routers_bounds_let_through(tmp_path, monkeypa
 VERIFY_REFUSED = [  # (mutant, where, the backend that refuses it)
     # the blobs never read their last past slot: only the compile's far probes reach it
     ("gen_last_past_slot_masked", "blob", "openvino"),
+    # RoPE 0.1% off in the blobs alone: the logits stay within bf16's drift, the rows do not,
+    # and the rows are compared only against the IR's run (as the compile's blob check does)
+    ("gen_rope_theta_1e3", "blob", "openvino"),
     # an IR fault the numpy backend verified OK on the stored bf16 cache, its flipped tokens
     # excused as near-ties by its own error; widened and exact, as the compile checks the IR
     ("gen_o_proj_3e2", "ir", "numpy"),
@@ -99,5 +102,5 @@ def test_kvc_verify_refuses_what_the_compile_refuses(mutant, where, backend, tmp
     assert applied.edits
     result = kvc("verify", out, code=4)
     assert f"kvc: error: mismatch on {backend}, prompt of" in result.output
-    report = json.loads(kvc("verify", out, "--backends", backend, "--json", code=4).stdout.split("\nkvc: error")[0])
-    assert not report["ok"]
+    report = json.loads(kvc("verify", out, "--json", code=4).stdout.split("\nkvc: error")[0])
+    assert {r["backend"] for r in report["results"] if not r["ok"]} == {backend}
