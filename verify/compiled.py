@@ -413,12 +413,11 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     was verified OK, its flips excused as near-ties by its own error (tests/mutation)."""
     from pathlib import Path
 
+    from kvc.export.compile import model_window
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.export.compile import model_window
-    from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
+    from kvc.runtime.compare import nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.runtime.compare import reduced_arithmetic
     from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, held_rows, source_run, stored_rows
     from kvc.verify.peer_drift import peer_for
 
