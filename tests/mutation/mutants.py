@@ -226,13 +226,15 @@ def all_rms_eps_1e5(name, model):
     return n
 
 
-def _alibi_slopes(model):
+def _geometric(model, first) -> list:
+    """[1, n, 1] float constants that fall geometrically from a first value `first` accepts:
+    ALiBi's slopes (below 1), RoPE's inverse frequencies (1)."""
     found = []
     for op in consts(model, r"."):
         d = np.array(op.get_data())
         if d.ndim == 3 and d.shape[0] == 1 and d.shape[2] == 1 and d.shape[1] >= 2 and d.dtype.kind == "f":
-            v = d.ravel()
-            if v[0] < 1 and np.allclose(v[1:] / v[:-1], v[1] / v[0]):  # geometric, first below 1
+            v = d.ravel().astype(np.float64)
+            if first(v[0]) and v[1] < v[0] and np.allclose(v[1:] / v[:-1], v[1] / v[0], rtol=1e-3):
                 found.append(op)
     return found
 
@@ -242,7 +244,7 @@ def gen_alibi_slopes_5pct(name, model):
     """generate: ALiBi slopes 5% too large."""
     if not generate(name):
         return 0
-    return sum(edit_const(op, lambda d: d * 1.05) for op in _alibi_slopes(model))
+    return sum(edit_const(op, lambda d: d * 1.05) for op in _geometric(model, lambda v: v < 1))
 
 
 @mutant
@@ -305,24 +307,12 @@ def all_int4_zero_point_one_group(name, model):
     return 0
 
 
-def _rope_frequencies(model):
-    """RoPE's inverse frequencies: a [1, D/2, 1] float constant, 1 first, then geometric."""
-    found = []
-    for op in consts(model, r"."):
-        d = np.array(op.get_data())
-        if d.ndim == 3 and d.shape[0] == 1 and d.shape[2] == 1 and d.shape[1] >= 2 and d.dtype.kind == "f":
-            v = d.ravel().astype(np.float64)
-            if v[0] == 1 and v[1] < 1 and np.allclose(v[1:] / v[:-1], v[1] / v[0], rtol=1e-3):
-                found.append(op)
-    return found
-
-
 @mutant
 def gen_rope_theta_1e3(name, model):
     """generate: RoPE's inverse frequencies 0.1% too low (a rope_theta read slightly wrong)."""
     if not generate(name):
         return 0
-    return sum(edit_const(op, lambda d: d * np.float32(1 - 1e-3)) for op in _rope_frequencies(model))
+    return sum(edit_const(op, lambda d: d * np.float32(1 - 1e-3)) for op in _geometric(model, lambda v: v == 1))
 
 
 @mutant
