@@ -43,6 +43,8 @@ ROW_ERROR = {"f32": 1e-4, "f16": 0.006, "bf16": 0.04, "i8": 0.15}
 # computing at f32 (NPUW's CPU backend) keep ROW_ERROR, measured at most 2e-4 with an f16
 # cache. An int8 cache is not compared on blobs (`stored_rows`).
 BLOB_ROW_ERROR = {"f32": 0.1, "f16": 0.1, "bf16": 0.1, "i8": 0.1}
+# A cache widened to f32 (`kvc.verify.compiled.widens`): every cache type held to f32's bound.
+WIDENED_ROW_ERROR = dict.fromkeys(ROW_ERROR, ROW_ERROR["f32"])
 
 
 @dataclass(frozen=True)

@@ -225,14 +225,14 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     would make the source and the static models wrong the same way and the check pass (it
     did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
-    from kvc.verify.cache_rows import ROW_ERROR, source_run
+    from kvc.verify.cache_rows import WIDENED_ROW_ERROR, source_run
 
     kv_types = static.plan.kv_element_types
     exact = widens(kv_types)  # the IR ran widened (`ir_generations`): judged as f32
     reduced = not exact and reduced_precision(kv_types, "numpy")
     limit = nrmse_limit(kv_types)  # f32 arithmetic: never the selecting bound
     bound = step_limit(kv_types, selecting)
-    rows = {kind: ROW_ERROR["f32"] for kind in ROW_ERROR} if exact else None
+    rows = WIDENED_ROW_ERROR if exact else None
     results = []
     for probe, got in zip(cases, ir_gens):
         results.append({"backend": "numpy", **probe_row(probe),
@@ -288,6 +288,28 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
     return row
 
 
+def blob_policy(kv_element_types, selecting: bool, backend: str, config: dict | None) -> dict:
+    """How runs on `backend` with `config` are judged against the IR's exact runs (`judge_run`'s
+    policy): the compile's blob check, and `kvc verify`'s backends beside its numpy one. Their
+    cache rows are bounded by BLOB_ROW_ERROR where the arithmetic is below f32, else ROW_ERROR."""
+    from kvc.runtime.compare import nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR
+
+    return {"reduced": reduced_precision(kv_element_types, backend, config),
+            "limit": nrmse_limit(kv_element_types, selecting, backend, config),
+            "step_bound": step_limit(kv_element_types, selecting, backend, config),
+            "row_bounds": BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR,
+            "against": "the IR's"}
+
+
+def judge_by(peer, exact, got, prompt, kv, selecting: bool, policy: dict) -> dict:
+    """`judge_run`'s row for `got` against `exact` by `policy`; with a `peer`
+    (`kvc.verify.peer_drift`), by the bounds its drift on `prompt` sets."""
+    if peer is None:
+        return judge_run(exact, got, kv, **policy)
+    return peer.judge(exact, got, prompt, kv, selects=selecting, **policy)
+
+
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
                 selecting: bool = False, source=None, keep: bool = False):
     """Import every `device` blob of an (unpublished) compiled directory the way `kvc run`
@@ -304,19 +326,15 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     None: the prefill blobs then stay imported while the generate blobs are (an open's
     memory beside what the compile still holds), and nothing need be imported again to serve."""
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from, serving
-    from kvc.runtime.compare import count_nonfinite, nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
-    from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, stored_rows
+    from kvc.runtime.compare import count_nonfinite
+    from kvc.verify.cache_rows import stored_rows
     from kvc.verify.peer_drift import peer_for
 
     backend = BACKEND_OF_DEVICE[device]
     pipe = pipeline_from(directory, manifest, backend, lazy=True)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
-    policy = {"reduced": reduced_precision(kv_types, backend, config),
-              "limit": nrmse_limit(kv_types, selecting, backend, config),
-              "step_bound": step_limit(kv_types, selecting, backend, config),
-              "row_bounds": BLOB_ROW_ERROR if reduced_arithmetic(backend, config) else ROW_ERROR,
-              "against": "the IR's"}
+    policy = blob_policy(kv_types, selecting, backend, config)
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
     if peer is not None:
         peer.prepare([(probe.prompt, len(exact.tokens), probe.origin) for probe, exact in zip(cases, ir_gens)])
@@ -350,8 +368,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         row = {"device": device, **probe_row(probe), "variants": sorted(set(got.variants))}
         if ir_gens is not None:
             got.cache = stored_rows(pipe, got.kv_rows, got.origin)
-            row.update(judge_run(ir_gens[i], got, pipe.plan.kv, **policy) if peer is None else
-                       peer.judge(ir_gens[i], got, probe.prompt, pipe.plan.kv, selects=selecting, **policy))
+            row.update(judge_by(peer, ir_gens[i], got, probe.prompt, pipe.plan.kv, selecting, policy))
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
@@ -416,9 +433,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.export.compile import model_window
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
-    from kvc.runtime.compare import nrmse_limit, reduced_arithmetic, reduced_precision, step_limit
+    from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.verify.cache_rows import BLOB_ROW_ERROR, ROW_ERROR, held_rows, source_run, stored_rows
+    from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, source_run, stored_rows
     from kvc.verify.peer_drift import peer_for
 
     directory = Path(directory)
@@ -445,34 +462,34 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     # OpenVINO CPU below f32 against the source at f32: judged by bounds the plugin's own drift
     # on each prompt sets, as the compile's blob check judged it (peer_drift).
     peers = {b: peer_for(source, b, configs[b], kv_types) for b in backends} if reference_backend == "openvino" else {}
-    ir_runs = {}  # the numpy backend's runs, which the other backends are judged against
+    ir_runs = {}  # the numpy backend's runs (first), which the other backends are judged against
     for backend in sorted(backends, key=lambda b: b != "numpy"):
-        widened = backend == "numpy" and exact
+        config, widened = configs[backend], backend == "numpy" and exact
+        against_ir = backend != "numpy" and "numpy" in backends  # as the compile's blob check, rows too
+        if against_ir:
+            policy = blob_policy(kv_types, selecting, backend, config)
+        else:
+            policy = {"reduced": not widened and reduced_precision(kv_types, backend, config),
+                      "limit": nrmse_limit(kv_types, selecting, backend, config),
+                      "step_bound": step_limit(kv_types, selecting, backend, config),
+                      "against": "the source model's"}
+            if widened:
+                policy["row_bounds"] = WIDENED_ROW_ERROR
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widened)  # files checked above
         for i, probe in enumerate(cases):
-            if i not in references:
-                references[i] = source_run(ref, probe.prompt, probe.new_tokens, probe.origin)
             got = run_probe(pipe, probe)
-            policy = {"reduced": not widened and reduced_precision(kv_types, backend, configs[backend]),
-                      "limit": nrmse_limit(kv_types, selecting, backend, configs[backend]),
-                      "step_bound": step_limit(kv_types, selecting, backend, configs[backend])}
-            if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
-                got.cache = held_rows(pipe, got.kv_rows, got.origin)
-                ir_runs[i] = got
-                if widened:
-                    policy["row_bounds"] = dict.fromkeys(ROW_ERROR, ROW_ERROR["f32"])
-                exact_run, against = references[i], "the source model's"
-            elif i in ir_runs:  # as the compile's blob check: against the IR's exact run, rows too
+            if against_ir:
                 got.cache = stored_rows(pipe, got.kv_rows, got.origin)
-                policy["row_bounds"] = BLOB_ROW_ERROR if reduced_arithmetic(backend, configs[backend]) else ROW_ERROR
-                exact_run, against = ir_runs[i], "the IR's"
+                exact_run = ir_runs[i]
             else:
-                exact_run, against = references[i], "the source model's"
-            row = {"backend": backend, "prompt": i, **probe_row(probe),
-                   **(judge_run(exact_run, got, plan.kv, against=against, **policy) if peers.get(backend) is None
-                      else peers[backend].judge(exact_run, got, probe.prompt, plan.kv, against=against,
-                                                selects=selecting, **policy))}
-            rows.append(row)
+                if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
+                    got.cache = held_rows(pipe, got.kv_rows, got.origin)
+                    ir_runs[i] = got
+                if i not in references:
+                    references[i] = source_run(ref, probe.prompt, probe.new_tokens, probe.origin)
+                exact_run = references[i]
+            rows.append({"backend": backend, "prompt": i, **probe_row(probe),
+                         **judge_by(peers.get(backend), exact_run, got, probe.prompt, plan.kv, selecting, policy)})
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
             "backend_configs": configs,
