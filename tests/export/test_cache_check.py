@@ -106,8 +106,9 @@ def test_a_blob_storing_other_rows_than_its_ir_is_never_published(tmp_path, monk
     monkeypatch.setenv("KVC_DEVICE_COMPILE", "in-process")  # the patch applies to this process only
     monkeypatch.setattr(compile_mod, "embed_small_constants", faulty)
     options = CompileOptions(StaticOptions(64, 32, prefill_chunk_size=16, kv_precision="bf16"), devices=("CPU",))
+    # at bf16 (the host's or emulated) by the peer's bounds; a host's f32 blobs by the exact rules
     with pytest.raises(VerificationError, match=r"the CPU blobs do not reproduce the static IR: .*(KV cache row \d+ "
                                                 r"of past_key_values\.0\.value is not the IR's|step \d+'s logits are "
-                                                r"not the reference's: .* and bounds this run at 3x that)"):
+                                                r"not the reference's: .*(and bounds this run at 3x that|at most))"):
         compile_to(fixtures.path("llama"), tmp_path / "out", options)
     assert not (tmp_path / "out").exists()

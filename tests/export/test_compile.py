@@ -1150,7 +1150,9 @@ def test_compile_and_open_serves_the_checked_blobs_without_importing_them_again(
     monkeypatch.setattr(_Imports, "_import", lambda self, name, blob, sweep: imported.append(blob["file"]) or
                         real(self, name, blob, sweep))
     out = tmp_path / "out"
-    options = CompileOptions(compile_static(max_prompt_len=320, min_response_len=64, variants=(128,)))
+    # bf16's chunks (first 16 and 128, 16, a bulk 128) whatever the host computes by default
+    options = CompileOptions(compile_static(precision="bf16", max_prompt_len=320, min_response_len=64, variants=(128,)),
+                             inference_precision="bf16")
     manifest, pipe = compile_and_open(fixtures.path("llama"), out, options)
     files = {m["blobs"]["CPU"]["file"] for m in manifest["models"].values()}
     assert sorted(imported) == sorted(files) and len(files) == 1 + 2  # the If blob, two generate variants

@@ -68,7 +68,7 @@ def test_a_fault_past_the_plugins_own_drift_is_refused(precision, tmp_path, monk
     out = tmp_path / precision
     result = kvc("compile", fixtures.path("bloom"), "-o", out, "--inference-precision", precision, *LONG, code=4)
     assert re.search(r"prompt of 521 tokens: KV cache row 5(1[5-9]|2\d) of past_key_values\.\d+\.(key|value) is not "
-                     r"the IR's: its error is 2 of the row's RMS", result.output)
+                     r"the IR's: its error is 2(\.\d+)? of the row's RMS", result.output)
     assert not out.exists()
     if precision == "bf16":
         assert "OpenVINO CPU's own bf16 run of the source model drifts" in result.output
@@ -181,7 +181,8 @@ def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypat
     monkeypatch.setattr(peer_drift.Peer, "run", broken)
     result = kvc("compile", fixtures.path("bloom"), "-o", tmp_path / "out", "--inference-precision", "bf16", *LONG,
                  code=4)
-    assert "is not the IR's: its error is 2 of the row's RMS" in result.output
+    # its rows, or on a host that emulates bf16 first its logits (NRMSE 0.0146, over the fixed 0.01)
+    assert re.search(r"prompt of 521 tokens: (NRMSE|KV cache row)", result.output)
     assert ("(by the fixed bounds: OpenVINO CPU's own bf16 run of the source model, which sets them, failed: "
             "cannot compile for CPU: out of memory)") in result.output
     assert not (tmp_path / "out").exists()
