@@ -251,6 +251,33 @@ def test_verify_table_and_json(compiled):
     assert "from 126" in result.output
 
 
+def test_verify_holds_one_engine_at_a_time(compiled, monkeypatch):
+    """The source's runs, the peer's and each backend's pipeline each come and go before the next
+    is opened: kvc verify held the f32 source, the peer, the numpy pipeline and the blobs at
+    once (6.2 GB on the 250M bench model)."""
+    import gc
+    import weakref
+
+    from kvc.export import load
+    from kvc.runtime import session
+
+    alive, opened = weakref.WeakSet(), []
+    for cls in (session.OpenVINOSession, session.NumpySession):
+        def tracked(self, *args, _init=cls.__init__, **kw):
+            _init(self, *args, **kw)
+            alive.add(self)
+        monkeypatch.setattr(cls, "__init__", tracked)
+    real = load.pipeline_from
+
+    def pipeline_from(*args, **kw):
+        gc.collect()
+        opened.append(sorted(type(s).__name__ for s in alive))
+        return real(*args, **kw)
+    monkeypatch.setattr(load, "pipeline_from", pipeline_from)
+    kvc("verify", compiled, "--backends", "numpy,openvino", "--max-new-tokens", "2")
+    assert opened == [[], []]
+
+
 def test_verify_against_another_model_fails_with_exit_4(compiled):
     result = kvc("verify", compiled, "--against", fixtures.path("qwen2"), "--backends", "numpy", code=4)
     assert "verification: MISMATCH" in result.output and "kvc: error: mismatch" in result.output
