@@ -656,6 +656,10 @@ class _Beside:
         self._thread = threading.Thread(target=run, name="kvc-device-compile", daemon=True)
         self._thread.start()
 
+    def done(self) -> bool:
+        """Whether `work` has ended."""
+        return not self._thread.is_alive()
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for `work` to end, at most `timeout` seconds."""
         self._thread.join(timeout)
@@ -685,9 +689,9 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
         _phase(options, f"compile for {', '.join(beside)}, meanwhile verify the IR (numpy) against the source", work)
         compiling = _Beside(lambda: [compile_for(device) for device in beside])
         try:
-            with one_blas_thread():
+            with one_blas_thread() as limits:
                 verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
-                                                   progress)
+                                                   progress, _once_done(compiling, limits.restore_original_limits))
             compiling.result()
         except BaseException:
             compiler.close(kill=True)  # its thread's wait for a reply ends
@@ -705,6 +709,20 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     return verification, ir_gens
 
 
+def _once_done(compiling: _Beside, then: Callable[[], None]) -> Callable[[], None]:
+    """A check to make before each of the numpy check's model calls: `then()`, once, the first
+    time `compiling` is found ended (the BLAS threads given back: the CPU's device compiles of
+    the 250M Llama end halfway through an f32 host's numpy check, whose 512-row bulk calls then
+    ran on one core while the other idled; `kvc compile` there, three alternating runs: 48.7 ->
+    40.0 s, medians)."""
+    pending = [then]
+
+    def check() -> None:
+        if pending and compiling.done():
+            pending.pop()()
+    return check
+
+
 def one_blas_thread():
     """numpy's BLAS on one thread, while it lasts (threadpoolctl). Beside a device compile
     (which keeps one core busy) a second BLAS thread bought nothing and cost its spinning:
@@ -718,15 +736,15 @@ def one_blas_thread():
 
 
 def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,
-               options: CompileOptions, progress):
+               options: CompileOptions, progress, before_call: Callable[[], None] | None = None):
     """Nothing is published unless it works: the static IR as written, on kvc's numpy runtime,
     against the source on OpenVINO CPU f32, on the probe `cases`; the verification's result and
-    the IR's generations (the blob check's reference)."""
+    the IR's generations (the blob check's reference). `before_call`: `ir_generations`'."""
     from kvc.verify.compiled import ir_generations, probe_label, verify_static
 
     progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
     ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
-                                                                        f"runtime ({i}/{len(cases)})"))
+                                                                        f"runtime ({i}/{len(cases)})"), before_call)
     verification = verify_static(reference_session(model_path), static, cases, ir_gens, selecting)
     if not verification["ok"]:
         bad = next(r for r in verification["results"] if not r["ok"])

@@ -115,6 +115,12 @@ class StaticPipeline:
             for spec in self.kv:
                 session.bind(spec.input, self.buffers[spec.input], rows, spec.seq_axis)
 
+    def sessions(self) -> list[Session]:
+        """Every session, each once: the prefill, bulk and first-chunk ones, then the generate
+        variants."""
+        every = [*self.prefill_sessions.values(), *self.first_sessions.values(), *self.generate_sessions.values()]
+        return list({id(s): s for s in every}.values())
+
     # -- buffer views ------------------------------------------------------------------------
     def _rows(self, spec: KVSpec, start: int, stop: int) -> tuple:
         index = [slice(None)] * len(spec.shape)
