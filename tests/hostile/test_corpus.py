@@ -1,9 +1,10 @@
 """The hostile-input corpus (tests/hostile/corpus.py) through the installed `kvc`, as subprocesses.
 
-Every case's commands run once, in parallel (one per CPU), in a module-scoped fixture; each
-test then asserts its outcome: the documented exit code, a message naming the file and the
-problem, no traceback, nothing left behind (no OUT, no `.OUT.partial-*`, no temp files), and
-within corpus.TIMEOUT. Runs where kvc does the wrong thing today are xfail(strict=True) with
+Each test runs one case's command, so the runs spread over the xdist workers (run together in
+one module fixture, all of them ran again in every worker that took one of these tests: 125 s
+of each worker's time on 2 cores). It asserts the run's outcome: the documented exit code, a
+message naming the file and the problem, no traceback, nothing left behind (no OUT, no
+`.OUT.partial-*`, no temp files), and within corpus.TIMEOUT. Runs where kvc does the wrong thing today are xfail(strict=True) with
 the bug as the reason, so the suite stays green and each bug stays visible: fixing one turns
 its xfail into an XPASS failure, to be removed here.
 """
@@ -27,15 +28,15 @@ CASES = corpus.build(_GEN / "corpus")
 PARAMS = [pytest.param(c.name, r.command, id=f"{c.name}-{r.command}",
                        marks=[pytest.mark.xfail(strict=True, reason=r.bug)] if r.bug else [])
           for c in CASES for r in c.runs]
+RUNS = {(c.name, r.command): (c, r) for c in CASES for r in c.runs}
 
 
-@pytest.fixture(scope="module")
-def outcomes():
-    try:
-        good = corpus.compile_good(_GEN)
-        yield corpus.run_all(CASES, good, _GEN)
-    finally:
-        shutil.rmtree(_GEN, ignore_errors=True)
+@pytest.fixture(scope="session")
+def good() -> Path:
+    """The good compiled directory the compiled-directory cases start from, once per worker
+    (session-scoped: a module fixture is set up again whenever this worker's tests of the
+    module resume after another module's)."""
+    return corpus.compile_good(_GEN)
 
 
 def test_corpus_is_large_enough():
@@ -46,7 +47,9 @@ def test_corpus_is_large_enough():
 
 
 @pytest.mark.parametrize("case,command", PARAMS)
-def test_hostile(outcomes, case, command):
-    o = outcomes[(case, command)]
+def test_hostile(good, case, command):
+    c, r = RUNS[case, command]
+    corpus.prepare_compiled(c, good)
+    o = corpus.run_one(c, r, good, _GEN)
     assert o.verdict == "clean", (f"{o.verdict}: kvc {' '.join(o.argv)}\nexpected exit {o.expected}, got {o.code}: "
                                   f"{o.detail}\n--- stderr ---\n{o.stderr}")
