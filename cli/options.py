@@ -181,9 +181,9 @@ def static_options(f):
                           "(NPUW's default: up to 1024 at once)."),
         click.option("--prefill-first", default="auto", show_default=True, callback=_first_value,
                      help="First-chunk prefill models: a prompt's first F tokens in one call that reads no past "
-                          "(a chunk model's attention reads all its P - C past slots, empty or not); F a multiple "
-                          "of the chunk below P; several like 64,128; 0: none. auto: 128 when compiling for CPU "
-                          "only with bf16 or f16 CPU blobs, else none."),
+                          "(a chunk model's attention reads all its P - C past slots, empty or not); F below P, "
+                          "any size; several like 16,128; 0: none. auto: 16,128 when compiling for CPU only with "
+                          "bf16 or f16 CPU blobs, else none."),
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),

@@ -89,7 +89,7 @@ class LengthPlan:
     tokens: int = 1  # G
     notes: tuple[str, ...] = field(default=())
     bulk: tuple[int, ...] = ()  # larger prefill chunks C < B1 < ... < P, each its own prefill model
-    first: tuple[int, ...] = ()  # first-chunk models F1 < ... < P (multiples of C): positions [0, F), no past
+    first: tuple[int, ...] = ()  # first-chunk models F1 < ... < P: positions [0, F), no past
 
     @property
     def capacity(self) -> int:
@@ -125,9 +125,8 @@ class LengthPlan:
             raise ValueError(f"lengths are inconsistent: P {plan.prompt}, G {plan.tokens}, capacity {plan.capacity}")
         if bulk and not (plan.chunk and plan.chunk < bulk[0] and bulk[-1] < plan.prompt):
             raise ValueError(f"bulk chunks {bulk} must lie between the chunk {plan.chunk} and P {plan.prompt}")
-        if first and not (plan.chunk and first[0] > 0 and first[-1] < plan.prompt
-                          and all(f % plan.chunk == 0 for f in first)):
-            raise ValueError(f"first chunks {first} must be multiples of the chunk {plan.chunk} below P {plan.prompt}")
+        if first and not (plan.chunk and first[0] > 0 and first[-1] < plan.prompt):
+            raise ValueError(f"first chunks {first} must lie between 0 and P {plan.prompt}, with a chunk")
         return plan
 
 
@@ -179,9 +178,9 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
 
     First chunks F (kvc's own): prefill models of F tokens with no past, for a prompt's first
     positions `[0, F)`: their attention reads the prompt alone, where a chunk model's reads
-    its P - C past slots too, empty or not. Each must be a multiple of C below P (else
-    dropped with a note); without a chunk they are dropped (the whole prompt is one call
-    over no past already)."""
+    its P - C past slots too, empty or not. Each must be below P (else dropped with a
+    note), of any size: the calls after it start where it ends (`prefill_calls`); without a
+    chunk they are dropped (the whole prompt is one call over no past already)."""
     notes = []
     sizes_asked = tuple(sorted(set(chunk))) if isinstance(chunk, tuple) else (chunk,)
     if not sizes_asked or any(not _is_int(c) or c < 0 or (c and c & (c - 1)) for c in sizes_asked):
@@ -234,10 +233,10 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     asked_first = tuple(sorted(set(first)))
     if any(not _is_int(f) or f <= 0 for f in asked_first):
         raise UsageError(f"first prefill chunks must be positive sizes, got {list(first)}")
-    first = tuple(f for f in asked_first if chunk and f % chunk == 0 and f < p)
+    first = tuple(f for f in asked_first if chunk and f < p)
     for f in asked_first:
         why = ("the prefill is not chunked" if not chunk else f"not below the max prompt length {p}" if f >= p
-               else f"not a multiple of the chunk {chunk}" if f % chunk else None)
+               else None)
         if why:
             notes.append(f"first prefill chunk {f} dropped: {why}")
     r = _align_up(min_response_len, align) if align > 1 else min_response_len

@@ -304,8 +304,8 @@ def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple
     if not chunk or chunk >= P:
         return float(costs.call(P))
     lengths, counts = np.unique(workload.prompts, return_counts=True)
-    per_length = [sum(float(costs.first(call.size) if call.first else costs.call(call.size))
-                      for call in prefill_calls(0, int(n), (), P, (chunk, *bulk), first))
+    ms = {(c, False): float(costs.call(c)) for c in (chunk, *bulk)} | {(f, True): float(costs.first(f)) for f in first}
+    per_length = [sum(ms[call.size, call.first] for call in prefill_calls(0, int(n), (), P, (chunk, *bulk), first))
                   for n in lengths]
     return float(np.dot(per_length, counts) / counts.sum())
 

@@ -453,17 +453,23 @@ def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, 
 
 
 def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...]):
-    C = chunks[0]  # the others are multiples of it: every call but a gap's last ends on g0 + k * C
+    C = chunks[0]  # the others are multiples of it: a call starts on the gap's start, or a first chunk's end, + k * C
+    inf = float("inf")
     for first in (g0, g0 - g0 % C):
+        starts = set(range(first, g1, C))
+        if first == 0:
+            for f in firsts:
+                starts.update(range(f, g1, C))
         cost, choice = {g1: 0}, {}
-        for s in reversed(range(first, g1, C)):
-            cost[s] = float("inf")
-            options = [(f, True) for f in reversed(firsts) if s == 0] + [(c, False) for c in chunks if s <= P - c]
-            for c, opens in options:
-                end = min(s + c, g1)
-                if CALL_ROWS + c + cost[end] < cost[s]:
-                    cost[s], choice[s] = CALL_ROWS + c + cost[end], (c, opens)
-        if cost[first] < float("inf"):
+        for s in sorted(starts, reverse=True):
+            best = inf
+            options = [(f, True) for f in reversed(firsts)] if s == 0 else []
+            for c, opens in options + [(c, False) for c in chunks if s <= P - c]:
+                total = CALL_ROWS + c + cost[min(s + c, g1)]
+                if total < best:
+                    best, choice[s] = total, (c, opens)
+            cost[s] = best
+        if cost[first] < inf:
             break
     s = first
     while s < g1:

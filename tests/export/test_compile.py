@@ -1217,21 +1217,26 @@ def test_compile_and_open_refuses_a_device_it_does_not_compile_for(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_path):
+@pytest.mark.parametrize("chunk,first", [(16, 32), (32, 24)])
+def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_path, chunk, first):
     """--prefill-first 32 (chunk 16, P 64): a model of 32 rows with no past input, named
     first-32, runs positions [0, 32) of a fresh prompt; the compile's probes run it (the
     probe of 25 tokens) and its rows pass the check against the source; generation from the
-    directory gives the unchunked pipeline's tokens."""
-    out = tmp_path / "out"
-    kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", "16", "--prefill-first", "32")
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["plan"]["lengths"]["prefill_first_chunks"] == [32]
-    first = manifest["models"]["first-32"]
-    assert {p["name"] for p in first["inputs"]} == {"input_ids", "attention_mask", "position_ids"}
-    assert [p["shape"] for p in first["inputs"] if p["name"] == "attention_mask"] == [[1, 32]]
-    probes = [p["prompt_tokens"] for p in manifest["verification"]["results"]]
+    directory gives the unchunked pipeline's tokens. A first chunk off the chunk's grid (24
+    with a chunk of 32) too: a 40-token prompt runs first 24, then the chunk from 24."""
     from kvc.runtime.static_pipeline import prefill_calls
-    assert any(c.first for n in probes for c in prefill_calls(0, n, (), 64, (16,), (32,)))
+
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", str(chunk),
+        "--prefill-first", str(first))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"]["lengths"]["prefill_first_chunks"] == [first]
+    model = manifest["models"][f"first-{first}"]
+    assert {p["name"] for p in model["inputs"]} == {"input_ids", "attention_mask", "position_ids"}
+    assert [p["shape"] for p in model["inputs"] if p["name"] == "attention_mask"] == [[1, first]]
+    probes = [p["prompt_tokens"] for p in manifest["verification"]["results"]]
+    assert any(c.first for n in probes for c in prefill_calls(0, n, (), 64, (chunk,), (first,)))
+    assert list(prefill_calls(0, 40, (), 64, (chunk,), (first,)))[0] == (0, min(40, first), first, True)
     whole = tmp_path / "whole"
     kvc("compile", fixtures.path("llama"), "-o", whole, *CLI_SMALL, "--prefill-chunk-size", "0", "--no-verify")
     for ids in ("1,2,3", ",".join(str(i) for i in range(5, 45))):

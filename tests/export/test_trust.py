@@ -305,8 +305,10 @@ def _rename_model(models, old, new):
                                    "KV layout (expected f16 [1, 2, 32, 16]"),
     (lambda m: m["models"].pop("first-32"),
      "the first-chunk models are not the plan's first chunks (expected [32], found [])"),
+    (lambda m: m["plan"]["lengths"].update(prefill_first_chunks=[64]),
+     "malformed plan: ValueError: first chunks [64] must lie between 0 and P 64, with a chunk"),
     (lambda m: m["plan"]["lengths"].update(prefill_first_chunks=[24]),
-     "malformed plan: ValueError: first chunks [24] must be multiples of the chunk 16 below P 64"),
+     "the first-chunk models are not the plan's first chunks (expected [24], found [32])"),
     (lambda m: m["models"]["first-32"]["inputs"].append(
         dict(next(p for p in m["models"]["prefill"]["inputs"] if p["name"] == "past_key_values.0.key"))),
      "first-chunk model 'first-32' reads a past (expected no past input, found input 'past_key_values.0.key')"),

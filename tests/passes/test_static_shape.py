@@ -80,12 +80,11 @@ def test_plan_bulk_chunk_rules():
 
 
 def test_plan_first_chunk_rules():
-    """First chunks: multiples of the chunk below P, else dropped with the reason; none without
-    a chunk; positive sizes only."""
+    """First chunks: any size below P, else dropped with the reason; none without a chunk;
+    positive sizes only."""
     L = plan_lengths(64, 64, chunk=16, first=(64, 24, 32))
-    assert L.first == (32,) and L.to_dict()["prefill_first_chunks"] == [32]
-    assert L.notes == ("first prefill chunk 24 dropped: not a multiple of the chunk 16",
-                       "first prefill chunk 64 dropped: not below the max prompt length 64")
+    assert L.first == (24, 32) and L.to_dict()["prefill_first_chunks"] == [24, 32]
+    assert L.notes == ("first prefill chunk 64 dropped: not below the max prompt length 64",)
     L = plan_lengths(64, 64, chunk=0, first=(32,))
     assert L.first == () and L.notes == ("first prefill chunk 32 dropped: the prefill is not chunked",)
     with pytest.raises(UsageError, match="must be positive sizes"):

@@ -130,7 +130,7 @@ def test_prefill_calls_are_the_cheapest_valid_split():
     def brute(start, n, P, chunks, firsts):  # every sequence of calls, each valid
         best = None
         models = [(c, False) for c in chunks] + [(f, True) for f in firsts]
-        for k in range(1, -(-(n - start) // chunks[0]) + 1):
+        for k in range(1, -(-(n - start) // chunks[0]) + 2):  # + 1: a first chunk off the chunks' grid
             for sizes in itertools.product(models, repeat=k):
                 s, calls = start, []
                 for c, first in sizes:
@@ -143,8 +143,11 @@ def test_prefill_calls_are_the_cheapest_valid_split():
         return best
 
     for P, chunks, firsts in ((64, (16,), ()), (64, (16, 32), ()), (128, (16, 64), ()), (128, (16, 32, 64), ()),
-                              (64, (16,), (32,)), (128, (16, 32), (32, 64)), (128, (16, 64), (64,))):
+                              (64, (16,), (32,)), (128, (16, 32), (32, 64)), (128, (16, 64), (64,)),
+                              (64, (32,), (16,)), (128, (32, 64), (16, 40)), (128, (16, 64), (24, 100))):
         for start, n in ((0, 1), (0, 17), (0, 33), (0, 50), (0, P), (16, P), (32, 50)):
+            if start % chunks[0]:  # a history ending off the grid: its own test below
+                continue
             calls = list(prefill_calls(start, n, (), P, chunks, firsts))
             assert [c.begin for c in calls[1:]] == [c.end for c in calls[:-1]], (P, chunks, start, n)
             assert calls[0].begin == start and calls[-1].end == n
@@ -159,6 +162,9 @@ def test_prefill_calls_are_the_cheapest_valid_split():
     assert calls == [(0, 16, 16, False), (32, 64, 32, False)]
     calls = list(prefill_calls(0, 100, ((20, 40),), 128, (16, 32), (32,)))
     assert calls[0] == (0, 20, 32, True) and calls[1].begin == 40 and not any(c.first for c in calls[1:])
+    # a first chunk off the chunks' grid: the calls after it start where it ends
+    assert list(prefill_calls(0, 48, (), 128, (32,), (16,))) == [(0, 16, 16, True), (16, 48, 32, False)]
+    assert list(prefill_calls(0, 100, (), 1024, (32, 512), (16, 112))) == [(0, 100, 112, True)]
 
 
 def test_a_tie_goes_to_the_larger_first_chunk():
