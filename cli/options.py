@@ -182,8 +182,8 @@ def static_options(f):
         click.option("--prefill-first", default="auto", show_default=True, callback=_first_value,
                      help="First-chunk prefill models: a prompt's first F tokens in one call that reads no past "
                           "(a chunk model's attention reads all its P - C past slots, empty or not); F below P, "
-                          "any size; several like 16,128; 0: none. auto: 16,128 when compiling for CPU only with "
-                          "bf16 or f16 CPU blobs, else none."),
+                          "any size; several like 16,128; 0: none. auto: 16,128 when compiling for CPU only with a "
+                          "chunked prefill, else none."),
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),

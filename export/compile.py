@@ -127,9 +127,13 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # run first 128, the chunk and the bulk chunk), the open +26 MB (one more If body). First chunks
 # of 32 and 64 as well (24 / 40 / 64 tokens 1.96x / 1.90x / 1.70x -> 1.24x / 1.50x / 1.01x) cost
 # the compile 6 s more (six probes where three did) and the open 50 MB: not the default yet.
+# At f32 the same first chunks, off the chunk's grid of 32 (a compute-bound Xeon, AVX-512
+# without bf16): a prompt of 16 or 100 tokens was one 32-row call over the past or four, at
+# 2.3x the stateful model's TTFT; first 16 and 128 bring them to 1.20-1.37x and 1.14-1.29x
+# (bench/ttft.py, three runs on a noisy host), the compile +5 s (a probe of 128 tokens).
 # Bulk and first chunks are dropped where P is not above them.
 CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
-CPU_FIRST = {"bf16": (16, 128), "f16": (16, 128)}
+CPU_FIRST = (16, 128)
 
 
 def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
@@ -144,11 +148,10 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
 
 def resolve_first(value, devices=("CPU",), precision: str = "f32", chunk=0) -> tuple[int, ...]:
     """--prefill-first auto: with a chunked prefill (`chunk`, resolved) when every device is
-    the CPU, CPU_FIRST for the blobs' arithmetic (none at f32), else none (the NPU's graphs: no
-    NPU here to measure a change on)."""
+    the CPU, CPU_FIRST, else none (the NPU's graphs: no NPU here to measure a change on)."""
     if value != "auto":
         return value
-    return CPU_FIRST.get(cpu_precision(precision), ()) if cpu_only(devices) and chunk else ()
+    return CPU_FIRST if cpu_only(devices) and chunk else ()
 
 
 def cpu_only(devices) -> bool:

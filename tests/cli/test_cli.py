@@ -43,11 +43,11 @@ def test_compile_summary_and_outputs(compiled):
                                          (("--device", "CPU", "--device", "NPU"), 0),
                                          (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "64"), 64)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
-    """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 512 at f32; 16, a
-    bulk 128 and first chunks of 16 and 128 at bf16; by default the host's own precision) when
-    compiling for CPU only, else the whole prompt at once, as NPUW does by default; an explicit
-    size always wins. Bulk and first chunks not below P are dropped (with a note): at P 128 all
-    but the first chunk of 16, at P 1024 none."""
+    """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 512 at f32; 16
+    and a bulk 128 at bf16; by default the host's own precision) and first chunks of 16 and 128
+    when compiling for CPU only, else the whole prompt at once, as NPUW does by default; an
+    explicit size always wins. Bulk and first chunks not below P are dropped (with a note): at
+    P 128 all but the first chunk of 16, at P 1024 none."""
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     if chunk == "host":
         chunk = 16 if host in ("bf16", "f16") else 32
@@ -58,16 +58,15 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     auto = "--prefill-chunk-size" not in args and "NPU" not in args
     dropped = "128" if chunk == 16 else "512"
     assert any(f"prefill bulk chunk {dropped} dropped" in a for a in lengths["adjustments"]) == auto
-    precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
-    first_auto = "NPU" not in args and chunk != 0 and precision in ("bf16", "f16")  # CPU_FIRST, chunked
+    first_auto = "NPU" not in args and chunk != 0  # CPU_FIRST, with a chunked prefill
     assert any("first prefill chunk 128 dropped" in a for a in lengths["adjustments"]) == first_auto
-    assert lengths["prefill_first_chunks"] == ([16] if first_auto and chunk == 16 else [])
+    assert lengths["prefill_first_chunks"] == ([16] if first_auto else [])
     if auto and not args:
         result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
                      "--min-response-len", "64", "--no-verify", "--json")
         lengths = json.loads(result.stdout)["plan"]["lengths"]
         assert lengths["prefill_bulk_chunks"] == ([128] if chunk == 16 else [512])
-        assert lengths["prefill_first_chunks"] == ([16, 128] if chunk == 16 else [])
+        assert lengths["prefill_first_chunks"] == [16, 128]
 
 
 @pytest.mark.parametrize("args, kv, attention", [
