@@ -27,7 +27,8 @@ from tests.cli.runner import SMALL, kvc
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "out"
-    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--prefill-chunk-size", "32", "--device", "CPU", "--dumps")
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--prefill-chunk-size", "32", "--prefill-first", "0",
+        "--device", "CPU", "--dumps")
     return out
 
 
