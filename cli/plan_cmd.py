@@ -105,7 +105,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     from kvc.ir.reader import resolve
 
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    default_first = resolve_first("auto", (device,), inference_precision, default_chunk)
+    default_first = resolve_first("auto", (device,), default_chunk)
     stated = model_max_positions(resolve(path).root)
     result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device)
     document = plan_document(result, load, costs, budget)

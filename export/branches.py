@@ -41,7 +41,6 @@ from typing import Mapping
 import numpy as np
 import openvino as ov
 
-from kvc.runtime.interpreter import TensorMap
 from kvc.runtime.session import OpenVINOSession
 
 
@@ -207,7 +206,8 @@ class BranchSession(OpenVINOSession):
         super().__init__(compiled, device)
         self._names = dict(names)
         self._select = {name: np.array(value) for name, value in selects.items()}
-        self._cut = {name: tuple(slice(0, d) for d in shape) for name, shape in shapes.items()}
+        cut = {name: tuple(slice(0, d) for d in shape) for name, shape in shapes.items()}
+        self._cuts = [next(cut[n] for n in names if n in cut) for names in self._outputs]
         mine = set(self._names.values()) | set(self._select)
         self._skipped = {i for i, (names, _) in enumerate(self._inputs) if not mine & set(names)}
 
@@ -225,6 +225,4 @@ class BranchSession(OpenVINOSession):
         super().bind(self._names[name], buffer, rows, axis)
 
     def infer(self, inputs):
-        outputs = super().infer({**{self._names.get(k, k): v for k, v in inputs.items()}, **self._select})
-        cuts = [next(self._cut[n] for n in names if n in self._cut) for names in self._outputs]
-        return TensorMap((names, np.ascontiguousarray(outputs[names[0]][cut])) for names, cut in zip(self._outputs, cuts))
+        return super().infer({**{self._names.get(k, k): v for k, v in inputs.items()}, **self._select})

@@ -146,7 +146,7 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
 
-def resolve_first(value, devices=("CPU",), precision: str = "f32", chunk=0) -> tuple[int, ...]:
+def resolve_first(value, devices=("CPU",), chunk=0) -> tuple[int, ...]:
     """--prefill-first auto: with a chunked prefill (`chunk`, resolved) when every device is
     the CPU, CPU_FIRST, else none (the NPU's graphs: no NPU here to measure a change on)."""
     if value != "auto":
@@ -214,8 +214,7 @@ def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> Stati
     `resolve_attention`, `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
-    fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, precision,
-                                            fields["prefill_chunk_size"])
+    fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"])
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
     fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
     fields["prefill_mlp"] = resolve_prefill_mlp(fields.get("prefill_mlp", "auto"), devices, precision)

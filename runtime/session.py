@@ -154,6 +154,9 @@ class OpenVINOSession:
         self._bf16_outputs = [p.get_element_type() == ov.Type.bf16 for p in self.compiled.outputs]
         self._bound: set[int] = set()
         self._skipped: set[int] = set()  # inputs never fed (export/branches.py: the other body's)
+        # Each output's part to copy out (export/branches.py: a body's own rows of the If's padded
+        # outputs, cut before the copy); `...`: the whole tensor.
+        self._cuts: list = [...] * len(self._outputs)
         self._parents: dict[int, tuple[np.ndarray, ov.Tensor]] = {}  # keeps shared buffers alive
 
     @property
@@ -192,8 +195,9 @@ class OpenVINOSession:
             result = self.request.infer(feed)
         except RuntimeError as exc:
             raise DeviceError(f"inference on {self.device} failed: {openvino_reason(exc)}") from None
-        outputs = TensorMap((names, as_bf16(v) if bf16 else np.array(v, copy=True))
-                            for names, v, bf16 in zip(self._outputs, result.values(), self._bf16_outputs))
+        outputs = TensorMap((names, as_bf16(v[cut]) if bf16 else np.array(v[cut], copy=True))
+                            for names, v, bf16, cut in zip(self._outputs, result.values(), self._bf16_outputs,
+                                                           self._cuts))
         if self.after_first_inference is not None:
             hook, self.after_first_inference = self.after_first_inference, None
             hook()

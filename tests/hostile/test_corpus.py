@@ -4,9 +4,9 @@ Each test runs one case's command, so the runs spread over the xdist workers (ru
 one module fixture, all of them ran again in every worker that took one of these tests: 125 s
 of each worker's time on 2 cores). It asserts the run's outcome: the documented exit code, a
 message naming the file and the problem, no traceback, nothing left behind (no OUT, no
-`.OUT.partial-*`, no temp files), and within corpus.TIMEOUT. Runs where kvc does the wrong thing today are xfail(strict=True) with
-the bug as the reason, so the suite stays green and each bug stays visible: fixing one turns
-its xfail into an XPASS failure, to be removed here.
+`.OUT.partial-*`, no temp files), and within corpus.TIMEOUT. Runs where kvc does the wrong
+thing today are xfail(strict=True) with the bug as the reason, so the suite stays green and
+each bug stays visible: fixing one turns its xfail into an XPASS failure, to be removed here.
 """
 
 from __future__ import annotations
