@@ -191,7 +191,8 @@ def static_options(f):
                      show_default=True,
                      help="Element type of KV inputs/outputs (the NPU plugin stores f16; bf16 for CPU only); int8: "
                           "with one f16 scale per token and head, dequantized in the graph (docs/kv-precision.md). "
-                          "auto: bf16 when compiling for CPU only with bf16 CPU blobs, else f16."),
+                          "auto: when compiling for CPU only, the CPU blobs' own arithmetic (f32 or bf16: "
+                          "--inference-precision), else f16."),
         click.option("--transpose-v", is_flag=True, help="Store V as [B, H, D, S] (NPUW's OPTIMIZE_V_TENSORS)."),
         click.option("--slice-logits/--no-slice-logits", default=True, show_default=True,
                      help="Prefill returns only the last position's logits (as NPUW does)."),

@@ -173,20 +173,25 @@ def cpu_precision(precision: str) -> str:
 
 
 # The KV cache `kvc compile` stores by default (--kv-precision auto): f16, the NPU plugin's type;
-# bf16 when every device is a CPU computing at bf16, which then reads the past as it is. With an
-# f16 past the CPU converts the whole past every step (into the Concat of past and new rows);
-# with bf16 and the split attention below it reads the past in place: a generate step of the
-# 250M Llama 29.4 ms (f16, Concat) -> 25.9 (bf16, Concat) -> 24.5 (bf16, split); a 64-row
-# prefill chunk 61.0 -> 55.2 ms (bench/attention_forms.py, docs/kv-precision.md).
+# when every device is a CPU, the type its blobs compute in (bf16 or f32), which the plugin then
+# reads as it is. With an f16 past the CPU converts the whole past on every call: at bf16, a
+# generate step of the 250M Llama 29.4 ms (f16, Concat) -> 25.9 (bf16, Concat) -> 24.5 (bf16,
+# split), a 64-row prefill chunk 61.0 -> 55.2 ms (bench/attention_forms.py, docs/kv-precision.md).
+# At f32 the CPU blob's If chain (export/branches.py) converted every body's past in its outer
+# graph whichever body ran: a 16-token prompt's first-chunk call took 98-106 ms through the chain
+# with an f16 cache, 84-101 with an f32 one (the model alone: 75-80); end to end, TTFT at 16
+# tokens 0.88x, decode 0.99x, the open's peak RSS 1.006x the f16 cache's (bench/compile_ab.py,
+# docs/benchmarks.md). An f32 cache at f32 arithmetic is also exact: the compile's checks judge
+# the blobs by the exact rules, not by an f16 cache's rounding (docs/verification.md).
 DEFAULT_KV = "f16"
 
 
 def resolve_kv(value: str, devices=("CPU",), precision: str = "f32") -> str:
-    """--kv-precision auto: bf16 when every device is the CPU and its blobs compute at bf16
-    (`precision`, "auto" resolved for this host), else DEFAULT_KV."""
+    """--kv-precision auto: when every device is the CPU, the type its blobs compute in
+    (`precision`, "auto" resolved for this host: f32, bf16 or f16), else DEFAULT_KV."""
     if value != "auto":
         return value
-    return "bf16" if cpu_bf16(devices, precision) else DEFAULT_KV
+    return cpu_precision(precision) if cpu_only(devices) else DEFAULT_KV
 
 
 def resolve_attention(value: str, devices=("CPU",)) -> str:

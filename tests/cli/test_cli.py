@@ -71,18 +71,18 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
 
 
 @pytest.mark.parametrize("args, kv, attention", [
-    ((), "host", "fold"), (("--inference-precision", "f32"), "f16", "fold"),
+    ((), "host", "fold"), (("--inference-precision", "f32"), "f32", "fold"),
     (("--inference-precision", "bf16"), "bf16", "fold"), (("--device", "NPU"), "f16", "grouped"),
     (("--device", "CPU", "--device", "NPU"), "f16", "grouped"),
     (("--kv-precision", "f32", "--attention", "sdpa"), "f32", "sdpa")])
 def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, attention):
-    """auto: a bf16 cache when compiling for CPU only with bf16 blobs (by default the host's own
-    precision), else f16; for CPU only the generate models read the past apart from the new rows
+    """auto: when compiling for CPU only, a cache of the blobs' own arithmetic (by default the
+    host's: bf16 or f32), else f16; for CPU only the generate models read the past apart from the new rows
     (group-attention{split_past=true}) and the prefill models fold the GQA repeat into their
     query rows ({fold=true}); the NPU keeps the grouped Concat; the prefill models' MLPs over
     rows (mlp-rows) for CPU only at bf16. Explicit values always win."""
     if kv == "host":
-        kv = "bf16" if core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() == "bf16" else "f16"
+        kv = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     out = tmp_path / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, "--max-prompt-len", "128", "--min-response-len", "64",
         "--no-verify", *args)
