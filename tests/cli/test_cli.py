@@ -28,7 +28,7 @@ from tests.cli.runner import SMALL, kvc
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--prefill-chunk-size", "32", "--prefill-first", "0",
-        "--device", "CPU", "--dumps")
+        "--kv-precision", "f16", "--device", "CPU", "--dumps")
     return out
 
 

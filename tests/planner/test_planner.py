@@ -298,14 +298,15 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     assert "--plan sets --max-prompt-len" in conflict.output
     foreign = kvc("plan", fixtures.path("qwen2"), "--workload", requests, "--costs", costs, code=2)
     assert "another model's files" in foreign.output
-    data["target"]["kv_precision"] = "f32"  # measured with another cache than compile's: not this target
+    other = "bf16" if kv == "f32" else "f32"
+    data["target"]["kv_precision"] = other  # measured with another cache than compile's: not this target
     costs.write_text(json.dumps(data))
     stale = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, code=2)
-    assert "kv_precision 'f32'" in stale.output
+    assert f"kv_precision '{other}'" in stale.output
     del data["target"]["kv_precision"]  # written before costs recorded it: measured with an f32 cache
     costs.write_text(json.dumps(data))
-    assert "kv_precision 'f32'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
-                                       code=2).output
+    legacy = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, code=0 if kv == "f32" else 2)
+    assert ("kv_precision 'f32'" in legacy.output) == (kv != "f32")
     data["target"].update(kv_precision=kv, attention="sdpa")  # another attention than compile's
     costs.write_text(json.dumps(data))
     assert "attention 'sdpa'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
