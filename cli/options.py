@@ -176,7 +176,7 @@ def static_options(f):
         click.option("--prefill-chunk-size", default="auto", show_default=True, callback=_chunk_value,
                      help="Chunked prefill size, a power of two (0: the whole prompt at once); several, like "
                           "64,512: the smallest is the chunk, each larger one a bulk prefill model that long "
-                          "prompts run in fewer calls. auto: when compiling for CPU only, 32,512 for f32 CPU blobs "
+                          "prompts run in fewer calls. auto: when compiling for CPU only, 32,256 for f32 CPU blobs "
                           "and 16,128 for bf16 or f16 ones (a bulk chunk dropped when P is not above it), else 0 "
                           "(NPUW's default: up to 1024 at once)."),
         click.option("--prefill-first", default="auto", show_default=True, callback=_first_value,

@@ -131,8 +131,12 @@ PRECISIONS = ("auto", "f32", "bf16", "f16")
 # without bf16): a prompt of 16 or 100 tokens was one 32-row call over the past or four, at
 # 2.3x the stateful model's TTFT; first 16 and 128 bring them to 1.20-1.37x and 1.14-1.29x
 # (bench/ttft.py, three runs on a noisy host), the compile +5 s (a probe of 128 tokens).
+# At f32 with an f32 cache a bulk chunk of 256, not 512: every If body's outputs are padded to
+# the bulk chunk's rows and copied out at each nesting level, so a 16-token call copied 16 MB
+# of padding more; bench/compile_ab.py (--prefill-chunk-size 32,256 against 32,512, four
+# rounds) gave TTFT 16 / 100 / 512 / 1000 tokens 0.89x / 0.98x / 1.06x / 1.04x, decode 1.00x.
 # Bulk and first chunks are dropped where P is not above them.
-CPU_CHUNK = {"f32": (32, 512), "bf16": (16, 128), "f16": (16, 128)}
+CPU_CHUNK = {"f32": (32, 256), "bf16": (16, 128), "f16": (16, 128)}
 CPU_FIRST = (16, 128)
 
 

@@ -44,7 +44,7 @@ def test_compile_summary_and_outputs(compiled):
                                          (("--device", "CPU", "--device", "NPU"), 0),
                                          (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "64"), 64)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
-    """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 512 at f32; 16
+    """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 256 at f32; 16
     and a bulk 128 at bf16; by default the host's own precision) and first chunks of 16 and 128
     when compiling for CPU only, else the whole prompt at once, as NPUW does by default; an
     explicit size always wins. Bulk and first chunks not below P are dropped (with a note): at
@@ -57,7 +57,7 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     lengths = json.loads(result.stdout)["plan"]["lengths"]
     assert lengths["prefill_chunk_size"] == chunk and lengths["prefill_bulk_chunks"] == []
     auto = "--prefill-chunk-size" not in args and "NPU" not in args
-    dropped = "128" if chunk == 16 else "512"
+    dropped = "128" if chunk == 16 else "256"
     assert any(f"prefill bulk chunk {dropped} dropped" in a for a in lengths["adjustments"]) == auto
     first_auto = "NPU" not in args and chunk != 0  # CPU_FIRST, with a chunked prefill
     assert any("first prefill chunk 128 dropped" in a for a in lengths["adjustments"]) == first_auto
@@ -66,7 +66,7 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
         result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
                      "--min-response-len", "64", "--no-verify", "--json")
         lengths = json.loads(result.stdout)["plan"]["lengths"]
-        assert lengths["prefill_bulk_chunks"] == ([128] if chunk == 16 else [512])
+        assert lengths["prefill_bulk_chunks"] == ([128] if chunk == 16 else [256])
         assert lengths["prefill_first_chunks"] == [16, 128]
 
 
