@@ -20,7 +20,8 @@ afterwards, so the next open reads it from disk (2.4-3.5 s in a row on the VM's 
 posix_fadvise WILLNEED does not refill it there). The trade is taken for the memory: a second
 copy of the weights file at every open is what runs a small machine out of memory.
 
-An open's first import is swept behind its packing (`sweep="behind"`). OpenVINO 2026.4.1's CPU
+An open's first import is swept behind its packing (`sweep="behind"`) where its blob computes
+below f32; at f32 it is not swept (`kvc.export.load.first_sweep` says why). OpenVINO 2026.4.1's CPU
 plugin first scans every f32 constant of every body of the model (for subnormals, and at bf16
 for values a bf16 cannot hold: `Input::cloneBlobIfRequired`), reading the whole file before it
 packs anything, then packs the constants in graph order, which is the file's order (kvc writes

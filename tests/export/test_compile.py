@@ -736,9 +736,9 @@ def test_opened_cpu_blobs_leave_weights_file_pages_to_the_page_cache(compiled, m
 
 def test_an_open_pages_out_weights_file_behind_its_first_import_and_during_every_other(compiled, monkeypatch):
     """The first import reads weights.bin whole before it packs and is swept behind its packing
-    (swept from the start, it would read the file from disk once per If body and again to
-    pack); every later import, when packed weights are already resident, is swept from the
-    start."""
+    where its blob computes below f32 (swept from the start, it would read the file from disk
+    once per If body and again to pack), not at all at f32 (`first_sweep`); every later import,
+    when packed weights are already resident, is swept from the start."""
     import contextlib
 
     import kvc.export.load as load
@@ -754,7 +754,11 @@ def test_an_open_pages_out_weights_file_behind_its_first_import_and_during_every
 
     monkeypatch.setattr(load, "pages_released", recorded)
     pipe = open_compiled(compiled, "openvino")
-    assert sweeps == ["behind"] + ["all"] * len(pipe.generate_sessions)  # generate variants, then the prefill
+    first = read_manifest(compiled)["models"]["prefill"]["blobs"]["CPU"]["import_config"]
+    assert sweeps == [load.first_sweep(first)] + ["all"] * len(pipe.generate_sessions)  # generate, then prefill
+    assert load.first_sweep(first) == ("none" if first["INFERENCE_PRECISION_HINT"] == "f32" else "behind")
+    assert load.first_sweep({**first, "INFERENCE_PRECISION_HINT": "bf16"}) == "behind"
+    assert load.first_sweep({}) == "behind"  # NPUW's, or no hint recorded
     prompt = fixtures.goldens("llama")["prompts"][2]
     assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"]
     # The compile's blob check opens lazily, holding few blobs at once: never swept.
