@@ -34,9 +34,9 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
              sweep: str = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
              widen: bool = False) -> Session:
     """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
-    (`pages_released`: an open's first import "behind", the others "all"); `mapped`: weights.bin
-    as `map_weights` mapped it, shared by the models read from their IR; `imports`: the blobs
-    this open imported (an If blob, export/branches.py, serves two models)."""
+    (`pages_released`: an open's first import as `first_sweep` says, the others "all");
+    `mapped`: weights.bin as `map_weights` mapped it, shared by the models read from their IR;
+    `imports`: the blobs this open imported (an If blob, export/branches.py, serves two models)."""
     entry = manifest["models"][name]
     weights = directory / manifest["weights"]
     device = DEVICE_OF_BACKEND.get(backend)
@@ -234,8 +234,8 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         return make()
 
     # Imported in this order: an If blob first (its import reads the weights once per body before
-    # it packs: swept from the start, 3.5-4.5 s against 1.0-1.4; swept behind its packing, no
-    # slower itself), then the generate models, the prefill, the bulk and the first chunks.
+    # it packs: swept from the start, 3.5-4.5 s against 1.0-1.4; swept behind its packing or not
+    # at all, no slower itself), then the generate models, the prefill, the bulk and the first chunks.
     kinds = {name: model_kind(name) for name in manifest["models"]}
     rank = {"generate": 0, "prefill": 1, "first": 2}
     order = sorted(kinds, key=lambda n: ("branches" not in manifest["models"][n]["blobs"].get(device, {}),
