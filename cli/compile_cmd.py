@@ -127,7 +127,7 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
     rows = []
     for name in model_order(manifest["models"]):
         m = manifest["models"][name]
-        shapes = {i["name"]: "x".join(map(str, i["shape"])) for i in m["inputs"]}
+        shapes = {i["name"]: "x".join(str(d) if d >= 0 else "?" for d in i["shape"]) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
         blobs = ", ".join(f"{d} {human_bytes(b['bytes'])} {b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
                           + shared_with(name, b) for d, b in m["blobs"].items()) or "-"

@@ -182,8 +182,15 @@ def static_options(f):
         click.option("--prefill-first", default="auto", show_default=True, callback=_first_value,
                      help="First-chunk prefill models: a prompt's first F tokens in one call that reads no past "
                           "(a chunk model's attention reads all its P - C past slots, empty or not); F below P, "
-                          "any size; several like 16,128; 0: none. auto: 16,128 when compiling for CPU only with a "
-                          "chunked prefill, else none."),
+                          "any size; several like 16,128; 0: none. auto: when compiling for CPU only with a "
+                          "chunked prefill, the largest chunk with --prefill-first-rows dynamic, else 16,128; "
+                          "otherwise none."),
+        click.option("--prefill-first-rows", type=click.Choice(["auto", "static", "dynamic"]), default="auto",
+                     show_default=True,
+                     help="dynamic: one first-chunk model that takes a prompt's first 1 to F tokens unpadded "
+                          "(CPU only: the NPU runs static shapes); static: each first chunk F rows, a shorter "
+                          "prompt left-padded. auto: dynamic when compiling for CPU only at f32 with a chunked "
+                          "prefill, else static."),
         click.option("--variants", default="pyramid", show_default=True,
                      help="Generate variants: 'pyramid' (NPUW_LLM_GENERATE_PYRAMID, on by default in the NPU plugin: "
                           "1024*2^k+R up to P+R), 'single' (P+R), or sizes like 256,512."),
@@ -219,7 +226,8 @@ def static_options(f):
     return f
 
 
-STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "prefill_first", "variants", "kv_precision",
+STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "prefill_first", "prefill_first_rows",
+               "variants", "kv_precision",
                "transpose_v", "slice_logits", "beam", "attention", "prefill_mlp", "passes_")
 
 

@@ -14,10 +14,10 @@ from kvc.cli.render import echo_json
 def passes(as_json):
     """List the registered passes with their options (use them in --passes PIPELINE)."""
     from kvc.passes import DEFAULT_PIPELINE, registered
-    from kvc.passes.framework.registry import option_info
+    from kvc.passes.framework.registry import declared, option_info
 
     data = {name: {"doc": (cls.__doc__ or "").strip().splitlines()[0], "options": option_info(cls),
-                   "requires": list(cls.requires), "ensures": list(cls.ensures)}
+                   "requires": list(declared(cls, "requires")), "ensures": list(declared(cls, "ensures"))}
             for name, cls in registered().items()}
     if as_json:
         echo_json({"default_pipeline": DEFAULT_PIPELINE, "passes": data})
@@ -31,3 +31,4 @@ def passes(as_json):
             click.echo(f"    requires: {', '.join(info['requires']) or '-'}; ensures: {', '.join(info['ensures']) or '-'}")
     click.echo(f"\ndefault common pipeline: {DEFAULT_PIPELINE}; pipelines read like "
                "'lift-state{beam=keep},fuse-kvcache'")
+

@@ -18,7 +18,11 @@ one body per inference and copies that body's inputs into it at every level it i
 outermost then-body (its 1008-row past copied once), the bulk chunks next (copied twice), the
 first chunks, which read no past, last. The outputs are padded with zeros to the largest of
 every body's (`padded_outputs`), so that the Ifs' outputs are static, and each
-`BranchSession` cuts its own back. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
+`BranchSession` cuts its own back. A first chunk of dynamic rows (`--prefill-first-rows
+dynamic`) is a body too: its inputs are dynamic, its outputs padded to F rows at least
+(`bounded`) by a Pad of what their ShapeOf lacks and a Reshape, which types them static; the
+CPU plugin 2026.4.1 ran such a chain alternating bodies and row counts, and the chunk and bulk
+bodies ran no slower beside it. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
 first chunk compiled as one held 1700 MB against 2539 for the three apart (one packing of the
 weights, not three); an open holds 1125 MB against 1508 when only the first and bulk chunks
 shared a blob. The price is the bulk calls': a 1000-token prompt's TTFT (a first chunk, then
@@ -112,7 +116,16 @@ def branch_ports(entries: Mapping[str, dict]) -> dict:
         for port in entry["inputs"]:
             if names[model][port["name"]] not in [p["name"] for p in inputs]:
                 inputs.append({**port, "name": names[model][port["name"]]})
-    return {"inputs": inputs, "outputs": padded_outputs([e["outputs"] for e in entries.values()])}
+    return {"inputs": inputs, "outputs": padded_outputs([bounded(m, e["outputs"]) for m, e in entries.items()])}
+
+
+def bounded(name: str, table: list[dict]) -> list[dict]:
+    """A port table with each dynamic dimension (-1) at its largest: the F rows of the first
+    chunk `name` ("first-F") of dynamic rows, which the If's outputs must hold."""
+    from kvc.export.manifest import model_kind
+
+    rows = model_kind(name)[1]
+    return [{**p, "shape": [rows if d < 0 else d for d in p["shape"]]} for p in table]
 
 
 def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
@@ -126,7 +139,7 @@ def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
 
     names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
     order = list(models)
-    largest = [p["shape"] for p in padded_outputs([port_table(model.outputs) for model in models.values()])]
+    largest = [p["shape"] for p in padded_outputs([bounded(m, port_table(model.outputs)) for m, model in models.items()])]
     for name, model in models.items():  # every body's parameters by their names in the If
         for param in model.get_parameters():
             param.output(0).set_names({names[name][param.output(0).get_any_name()]})
@@ -138,16 +151,25 @@ def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
 
 
 def _pad_results(model: ov.Model, shapes) -> None:
-    """Pad each result of `model` with zeros at the end of every axis up to `shapes`."""
+    """Pad each result of `model` with zeros at the end of every axis up to `shapes`. A result
+    with a dynamic axis (a first chunk of dynamic rows) is padded by what its ShapeOf lacks of
+    `shapes`, then reshaped to them, which OpenVINO types static: the If's outputs stay static,
+    and no constant of padding is folded into the blob."""
     from openvino import opset8 as ops
 
     for result, shape in zip(model.get_results(), shapes):
-        have = result.get_output_partial_shape(0).to_shape()
-        if list(have) == list(shape):
+        have = result.get_output_partial_shape(0)
+        if have.is_static and list(have.to_shape()) == list(shape):
             continue
         value = result.input_value(0)
         zero = ops.convert(ops.constant(np.zeros((), np.float32)), value.get_element_type())  # bf16 too
-        padded = ops.pad(value, [0] * len(shape), [int(b) - int(a) for a, b in zip(have, shape)], "constant", zero)
+        begins = ops.constant(np.zeros(len(shape), np.int64))
+        if have.is_static:
+            padded = ops.pad(value, begins, ops.constant(np.array(shape, np.int64) - np.array(list(have.to_shape()), np.int64)), "constant", zero)
+        else:
+            target = ops.constant(np.array(shape, np.int64))
+            padded = ops.reshape(ops.pad(value, begins, ops.subtract(target, ops.shape_of(value, "i64")), "constant",
+                                         zero), target, False)
         result.input(0).replace_source_output(padded.output(0))
     model.validate_nodes_and_infer_types()
 
@@ -198,7 +220,8 @@ def _if(selector: str, then_model: ov.Model, else_model: ov.Model) -> ov.Model:
 class BranchSession(OpenVINOSession):
     """One model of an If blob: its inputs by its own names (`names`: its name -> the If's),
     the selectors fed as `selects` says (`branch_selects`), its outputs cut back to its own
-    `shapes` (by name; the If pads them); the other bodies' inputs are left as the request
+    `shapes` (by name; the If pads them; a dynamic dimension, -1, is left whole: the caller
+    takes the rows it fed); the other bodies' inputs are left as the request
     holds them (the Ifs do not read them)."""
 
     def __init__(self, compiled: ov.CompiledModel, device: str, names: Mapping[str, str],
@@ -206,7 +229,7 @@ class BranchSession(OpenVINOSession):
         super().__init__(compiled, device)
         self._names = dict(names)
         self._select = {name: np.array(value) for name, value in selects.items()}
-        cut = {name: tuple(slice(0, d) for d in shape) for name, shape in shapes.items()}
+        cut = {name: tuple(slice(0, d if d >= 0 else None) for d in shape) for name, shape in shapes.items()}
         self._cuts = [next(cut[n] for n in names if n in cut) for names in self._outputs]
         mine = set(self._names.values()) | set(self._select)
         self._skipped = {i for i, (names, _) in enumerate(self._inputs) if not mine & set(names)}

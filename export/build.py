@@ -4,12 +4,16 @@
                     ├─ static-shape{prefill}    → tail ─► "prefill" (chunk C)
                     ├─ static-shape{prefill B}  → tail ─► "prefill-B" (per bulk chunk B)
                     ├─ static-shape{prefill F, no chunk} → tail ─► "first-F" (per first chunk F)
+                    │    (rows=dynamic: static-shape{rows=dynamic} → first-tail ─► "first-F", 1..F rows)
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
     tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention] [→ mlp-rows]
           (attention "split-past": group-attention{split_past=true} in every branch; "fold":
           group-attention{fold=true} in the prefill branches and {split_past=true} in the
           generate ones; prefill_mlp "rows": mlp-rows in the prefill branches)
+    first-tail: kv-io → lower-kvcache [→ mlp-rows]: a prompt's first tokens unpadded need no
+          mask or pad-row rewrite, and attention stays the model's own (group-attention needs
+          static shapes; the CPU plugin runs the op as the stateful model does)
 
 The pass objects are built from the typed options (`branch_passes`); pipeline text is only
 what users type (`--passes`) and what the manifest and dumps record.
@@ -66,6 +70,10 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     """The passes of each static model, applied to the lifted model."""
     lengths = options.lengths()
 
+    def first_tail() -> list[Pass]:
+        kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v, slice_logits=options.slice_logits)
+        return [kv_io, LowerKVCache(), *([MlpRows()] if options.prefill_mlp == "rows" else [])]
+
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,
                      slice_logits=prefill and options.slice_logits)
@@ -80,7 +88,11 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
     for chunk in lengths.bulk:
         branches[f"prefill-{chunk}"] = [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=chunk), *tail(True)]
     for first in lengths.first:  # a prompt's first F positions over no past: the unchunked form, P = F
-        branches[f"first-{first}"] = [StaticShape(kind="prefill", prompt=first, chunk=0), *tail(True)]
+        if lengths.first_dynamic:
+            branches[f"first-{first}"] = [StaticShape(kind="prefill", prompt=first, chunk=0, rows="dynamic"),
+                                          *first_tail()]
+        else:
+            branches[f"first-{first}"] = [StaticShape(kind="prefill", prompt=first, chunk=0), *tail(True)]
     for size in lengths.sizes:
         branches[f"generate-{size}"] = [StaticShape(kind="generate", size=size, tokens=lengths.tokens), *tail(False)]
     return branches

@@ -150,12 +150,37 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
 
-def resolve_first(value, devices=("CPU",), chunk=0) -> tuple[int, ...]:
+def resolve_first(value, devices=("CPU",), chunk=0, rows: str = "static") -> tuple[int, ...]:
     """--prefill-first auto: with a chunked prefill (`chunk`, resolved) when every device is
-    the CPU, CPU_FIRST, else none (the NPU's graphs: no NPU here to measure a change on)."""
+    the CPU, CPU_FIRST, or with dynamic `rows` one first chunk of the largest chunk's rows
+    (the bulk chunk: every If body's outputs are padded to the largest rows, so a larger first
+    chunk would pad every call's); else none (the NPU's graphs: no NPU here to measure a
+    change on)."""
     if value != "auto":
         return value
-    return CPU_FIRST if cpu_only(devices) and chunk else ()
+    if not (cpu_only(devices) and chunk):
+        return ()
+    return (max(chunk) if isinstance(chunk, tuple) else chunk,) if rows == "dynamic" else CPU_FIRST
+
+
+# A first chunk of dynamic rows (--prefill-first-rows auto) at f32: one first-chunk model that
+# takes a prompt's first 1 to F tokens unpadded, inside the CPU blob's If chain (its outputs
+# padded to static shapes there, export/branches.py), in place of the static first chunks of 16
+# and 128. A 100-token prompt's call then computes 100 rows, not 128: through the chain 274 ms
+# against the static first-128's 311 (the 250M Llama, f32, one process alternating); a 16-token
+# one 97 against 90; the chunk and bulk calls no slower beside a dynamic body (32 rows 144-155
+# against 146-163 ms). One If body fewer to compile, probe and import. At bf16 the static first
+# chunks stay (measured on an AVX512_BF16 host this one is not).
+def resolve_first_rows(value: str, devices=("CPU",), precision: str = "f32", chunk=0) -> str:
+    """--prefill-first-rows auto: "dynamic" when every device is the CPU, its blobs compute at
+    f32 (`cpu_precision`) and the prefill is chunked (`chunk`, resolved), else "static". A
+    device other than the CPU takes static shapes only: "dynamic" there is an error."""
+    if value == "auto":
+        return "dynamic" if cpu_only(devices) and chunk and cpu_precision(precision) == "f32" else "static"
+    if value == "dynamic" and not cpu_only(devices):
+        raise UsageError(f"--prefill-first-rows dynamic is for CPU-only compiles: {', '.join(d for d in devices if d != 'CPU')} "
+                         f"runs static shapes only (REFERENCE.md §4)")
+    return value
 
 
 def cpu_only(devices) -> bool:
@@ -219,11 +244,14 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
 def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`): the
     `fields` given, and the prefill chunk, KV type, attention and prefill MLP form, unless
-    given, resolved as its `auto` (`resolve_chunk`, `resolve_first`, `resolve_kv`,
+    given, resolved as its `auto` (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`,
     `resolve_attention`, `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
-    fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"])
+    fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
+                                                      fields["prefill_chunk_size"])
+    fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"],
+                                            fields["prefill_first_rows"])
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
     fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
     fields["prefill_mlp"] = resolve_prefill_mlp(fields.get("prefill_mlp", "auto"), devices, precision)

@@ -97,8 +97,10 @@ def openvino_version() -> str:
 
 
 def port_table(ports) -> list[dict]:
+    """Ports as a manifest lists them; a dynamic dimension (the rows of a first chunk of
+    dynamic rows) is -1."""
     return [{"name": p.get_any_name(), "names": sorted(p.get_names()), "element_type": p.get_element_type().get_type_name(),
-             "shape": [d.get_length() for d in p.get_partial_shape()]} for p in ports]
+             "shape": [d.get_length() if d.is_static else -1 for d in p.get_partial_shape()]} for p in ports]
 
 
 def dumps(manifest: dict) -> str:
@@ -275,7 +277,7 @@ def shared_with(name: str, blob: dict) -> str:
 def _is_port(p) -> bool:
     return (isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("element_type"), str)
             and isinstance(p.get("shape"), list)
-            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 40 for n in p["shape"]))
+            and all(isinstance(n, int) and not isinstance(n, bool) and -1 <= n < 1 << 40 for n in p["shape"]))
 
 
 KINDS = ("prefill", "first", "generate")
@@ -328,7 +330,7 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     the largest variant, is a past input of every generate model (with `size - tokens` rows)
     and of every chunked prefill model (P - its chunk rows), not of a first-chunk model, and a
     present output of every model, in the plan's element type and with the plan's shape off
-    the sequence axis."""
+    the sequence axis. Only a first chunk of dynamic rows has a dynamic (-1) dimension."""
     models, L = manifest["models"], plan.lengths
     kinds = {name: model_kind(name) for name in models}
     sizes = sorted(size for kind, size in kinds.values() if kind == "generate")
@@ -351,9 +353,14 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
         inputs = {p["name"]: p for p in model["inputs"]}
         outputs = {p["name"]: p for p in model["outputs"]}
         # The token inputs the pipeline feeds: [1, C or P] ids and [1, P] mask for the prefill,
-        # [1, B] ids and [1, P] mask for prefill-B, [1, F] both for first-F, [1, G] ids and
-        # [1, T] mask for generate-T.
-        step, span = {"prefill": (size or L.chunk or L.prompt, L.prompt), "first": (size, size),
+        # [1, B] ids and [1, P] mask for prefill-B, [1, F] both for first-F ([1, -1]: dynamic
+        # rows), [1, G] ids and [1, T] mask for generate-T.
+        rows = -1 if L.first_dynamic else size
+        dynamic = [p["name"] for p in model["inputs"] + model["outputs"] if -1 in p["shape"]]
+        if dynamic and not (kind == "first" and L.first_dynamic):
+            raise bad(f"model {name!r} has dynamic ports, which only a first chunk of dynamic rows has",
+                      expected="static shapes", found=f"{dynamic[0]} with a -1 dimension")
+        step, span = {"prefill": (size or L.chunk or L.prompt, L.prompt), "first": (rows, rows),
                       "generate": (L.tokens, size)}[kind]
         for port, want in (("input_ids", [1, step]), ("attention_mask", [1, span])):
             if port not in inputs or inputs[port]["shape"] != want:

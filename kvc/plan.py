@@ -34,6 +34,9 @@ class StaticOptions:
     min_response_len: int | None = None  # None: DEFAULT_MIN_RESPONSE_LEN
     prefill_chunk_size: int | tuple[int, ...] = 0  # several: the smallest is the chunk, the others bulk chunks
     prefill_first: tuple[int, ...] = ()  # first-chunk prefill models: a prompt's first F tokens, no past read
+    # "dynamic": one first-chunk model whose rows are dynamic, 1 to F (CPU-only compiles): a
+    # prompt's first call computes its own tokens, not F; "static": each first chunk F rows
+    prefill_first_rows: str = "static"
     variants: str | tuple[int, ...] = "pyramid"  # NPUW_LLM_GENERATE_PYRAMID's default (YES) in OpenVINO 2026.4
     kv_precision: str = "f32"
     transpose_v: bool = False
@@ -60,7 +63,8 @@ class StaticOptions:
 
     def lengths(self) -> "LengthPlan":
         return plan_lengths(self.max_prompt_len, self.min_response_len, self.prefill_chunk_size, self.variants,
-                            max_positions=self.max_positions, first=self.prefill_first)
+                            max_positions=self.max_positions, first=self.prefill_first,
+                            first_rows=self.prefill_first_rows)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}  # as JSON reads
@@ -90,6 +94,7 @@ class LengthPlan:
     notes: tuple[str, ...] = field(default=())
     bulk: tuple[int, ...] = ()  # larger prefill chunks C < B1 < ... < P, each its own prefill model
     first: tuple[int, ...] = ()  # first-chunk models F1 < ... < P: positions [0, F), no past
+    first_dynamic: bool = False  # the one first-chunk model takes 1 to F rows (`plan_lengths`)
 
     @property
     def capacity(self) -> int:
@@ -98,6 +103,7 @@ class LengthPlan:
     def to_dict(self) -> dict:
         return {"max_prompt_len": self.prompt, "min_response_len": self.response, "prefill_chunk_size": self.chunk,
                 "prefill_bulk_chunks": list(self.bulk), "prefill_first_chunks": list(self.first),
+                **({"prefill_first_rows": "dynamic"} if self.first_dynamic else {}),
                 "generate_sizes": list(self.sizes),
                 "tokens_per_step": self.tokens, "capacity": self.capacity, "adjustments": list(self.notes)}
 
@@ -119,8 +125,12 @@ class LengthPlan:
         first = d.get("prefill_first_chunks", [])  # absent from manifests written before first chunks
         if not (isinstance(first, list) and all(_is_int(f) for f in first) and first == sorted(set(first))):
             raise ValueError(f"prefill_first_chunks must be increasing integers, found {first!r}")
+        rows = d.get("prefill_first_rows", "static")  # absent: static (and from manifests before dynamic rows)
+        if rows not in ("static", "dynamic") or (rows == "dynamic" and len(first) != 1):
+            raise ValueError(f"prefill_first_rows must be static, or dynamic with one first chunk, found {rows!r} "
+                             f"with first chunks {first!r}"[:200])
         plan = cls(d["max_prompt_len"], d["min_response_len"], d["prefill_chunk_size"], tuple(sizes),
-                   d["tokens_per_step"], tuple(d["adjustments"]), tuple(bulk), tuple(first))
+                   d["tokens_per_step"], tuple(d["adjustments"]), tuple(bulk), tuple(first), rows == "dynamic")
         if plan.prompt < 1 or plan.tokens < 1 or plan.capacity <= plan.prompt:
             raise ValueError(f"lengths are inconsistent: P {plan.prompt}, G {plan.tokens}, capacity {plan.capacity}")
         if bulk and not (plan.chunk and plan.chunk < bulk[0] and bulk[-1] < plan.prompt):
@@ -130,16 +140,19 @@ class LengthPlan:
         return plan
 
 
-def chunk_label(chunk, bulk=(), first=()) -> str:
+def chunk_label(chunk, bulk=(), first=(), dynamic: bool = False) -> str:
     """Prefill chunks as every output shows them: "64", "64 + bulk 512", "16 + bulk 128 +
-    first 128", "none". `chunk` may be a manifest's lengths (a dict), or the sizes of
-    --prefill-chunk-size (an int or a tuple: the chunk, then the bulk chunks)."""
+    first 128", "32 + bulk 256 + first 1..256" (a first chunk of dynamic rows), "none".
+    `chunk` may be a manifest's lengths (a dict), or the sizes of --prefill-chunk-size (an
+    int or a tuple: the chunk, then the bulk chunks)."""
     if isinstance(chunk, dict):
-        chunk, bulk, first = (chunk.get("prefill_chunk_size"), chunk.get("prefill_bulk_chunks") or (),
-                              chunk.get("prefill_first_chunks") or ())
+        chunk, bulk, first, dynamic = (chunk.get("prefill_chunk_size"), chunk.get("prefill_bulk_chunks") or (),
+                                       chunk.get("prefill_first_chunks") or (),
+                                       chunk.get("prefill_first_rows") == "dynamic")
     elif isinstance(chunk, tuple):
         chunk, bulk = chunk[0], chunk[1:]
-    return f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk) + "".join(f" + first {f}" for f in first)
+    return (f"{chunk or 'none'}" + "".join(f" + bulk {b}" for b in bulk)
+            + "".join(f" + first {'1..' if dynamic else ''}{f}" for f in first))
 
 
 def _is_int(value) -> bool:
@@ -151,7 +164,8 @@ MAX_LENGTH = 1 << 20  # P + R beyond a million positions is a typo, not a model
 
 def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None = None,
                  chunk: int | tuple[int, ...] = 0, variants: str | tuple[int, ...] = "pyramid",
-                 align: int = NPUW_ALIGN, max_positions: int | None = None, first: tuple[int, ...] = ()) -> LengthPlan:
+                 align: int = NPUW_ALIGN, max_positions: int | None = None, first: tuple[int, ...] = (),
+                 first_rows: str = "static") -> LengthPlan:
     """NPUW's length rules: P and R aligned up to 64 (`align`), the chunk a power of two and P
     aligned up to it; variants "single" (T = P + R), "pyramid" (1024 * 2^k + R up to T), or
     explicit sizes (each ≤ T, T added). Every adjustment is recorded in `notes`.
@@ -180,7 +194,10 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     positions `[0, F)`: their attention reads the prompt alone, where a chunk model's reads
     its P - C past slots too, empty or not. Each must be below P (else dropped with a
     note), of any size: the calls after it start where it ends (`prefill_calls`); without a
-    chunk they are dropped (the whole prompt is one call over no past already)."""
+    chunk they are dropped (the whole prompt is one call over no past already). With
+    `first_rows` "dynamic" there is one first chunk F, whose model takes any number of rows
+    from 1 to F: a prompt's first call computes its own tokens, unpadded; an F not below P is
+    lowered to P - C (with a note), so that the bundled model's P of 128 keeps one."""
     notes = []
     sizes_asked = tuple(sorted(set(chunk))) if isinstance(chunk, tuple) else (chunk,)
     if not sizes_asked or any(not _is_int(c) or c < 0 or (c and c & (c - 1)) for c in sizes_asked):
@@ -233,6 +250,15 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
     asked_first = tuple(sorted(set(first)))
     if any(not _is_int(f) or f <= 0 for f in asked_first):
         raise UsageError(f"first prefill chunks must be positive sizes, got {list(first)}")
+    if first_rows not in ("static", "dynamic"):
+        raise UsageError(f"first prefill chunk rows must be static or dynamic, got {first_rows!r}")
+    if first_rows == "dynamic" and len(asked_first) > 1:
+        raise UsageError(f"a first prefill chunk of dynamic rows is one size, 1 to F rows; got first chunks "
+                         f"{list(asked_first)}")
+    if first_rows == "dynamic" and chunk and len(asked_first) == 1 and asked_first[0] >= p > chunk:
+        notes.append(f"first prefill chunk {asked_first[0]} lowered to {p - chunk}: its rows are dynamic, up to "
+                     f"the max prompt length {p} less one chunk")
+        asked_first = (p - chunk,)
     first = tuple(f for f in asked_first if chunk and f < p)
     for f in asked_first:
         why = ("the prefill is not chunked" if not chunk else f"not below the max prompt length {p}" if f >= p
@@ -257,7 +283,7 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         sizes = tuple(sorted(set(asked) | {total}))
         if total not in asked:
             notes.append(f"generate variant {total} (= P + R) added: the largest variant must hold the capacity")
-    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes), bulk, first)
+    return LengthPlan(p, r, chunk, sizes, 1, tuple(notes), bulk, first, first_rows == "dynamic" and bool(first))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@
   attention, in the graph, so the device runs it. This step's own rows enter attention
   unquantized; they are read back quantized from the next step on;
 * ``transpose_v=true``: value tensors with the sequence axis last (``[B, H, D, S]``);
-* ``slice_logits=true``: a prefill returns the logits of its last position only.
+* ``slice_logits=true``: a prefill returns the logits of its last position only (of a
+  model of dynamic rows too: a Gather of the row its ShapeOf says is last, static [1, 1, V]).
 
 Names of every input and output are kept. Runs on the lifted form with Concat (or KVCache
 without an indirect beam table) between each past input and its present output.
@@ -76,8 +77,8 @@ class KVIO(Pass):
     """Shape the KV inputs/outputs of a static model the way the NPU plugin expects them."""
 
     name: ClassVar[str] = "kv-io"
-    requires: ClassVar[tuple[str, ...]] = ("stateless", "static")
-    ensures: ClassVar[tuple[str, ...]] = ("static",)
+    requires: ClassVar[tuple[str, ...]] = ("stateless", "static-but-rows")
+    ensures: ClassVar[tuple[str, ...]] = ("static-but-rows",)
     kv_type: str = option("f32", choices=("f32", "f16", "bf16", "i8"),
                           help="element type of KV inputs and outputs (i8: with per-token f16 scales)")
     transpose_v: bool = option(False, help="store values as [B, H, D, S] (sequence last)")
@@ -250,6 +251,14 @@ class KVIO(Pass):
             if "logits" not in model.output(i).get_names():
                 continue
             shape = result.get_output_partial_shape(0)
+            if shape[1].is_dynamic:  # a first chunk of dynamic rows: the row ShapeOf says is last
+                value = result.input_value(0)
+                one = ops.constant(np.array([1], np.int64))
+                rows = ops.gather(ops.shape_of(value, "i64"), one, ops.constant(np.int64(0)))
+                last = ops.gather(value, ops.subtract(rows, one), ops.constant(np.int64(1)))
+                last.set_friendly_name("logits/last_position")
+                _reroute(result, last.output(0))
+                return [result]
             rows = shape[1].get_length()
             if rows == 1:
                 return []

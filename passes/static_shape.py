@@ -3,6 +3,12 @@
     kind=prefill  (prompt P)           input_ids/position_ids [1, P]   mask [1, P]   past 0
     kind=prefill  (prompt P, chunk C)  input_ids/position_ids [1, C]   mask [1, P]   past P - C
     kind=generate (size T, tokens G)   input_ids/position_ids [1, G]   mask [1, T]   past T - G
+    kind=prefill, rows=dynamic         input_ids/position_ids [1, ?]   mask [1, ?]   past 0
+
+`rows=dynamic` (a prefill without a chunk: kvc's first chunk of dynamic rows, CPU-only
+compiles) leaves the row dimension of the token inputs and the mask dynamic: the model takes
+a prompt's first tokens unpadded, so its positions are its slots and it needs none of the
+passes that make a padded static layout compute right (mask-positions, unmask-pad-rows).
 
 Batch is 1. Only inputs the model has are reshaped, so ALiBi models without position_ids work.
 The pass takes lengths as given; aligning them the way NPUW does is `kvc.plan.plan_lengths`,
@@ -35,16 +41,23 @@ class StaticShape(Pass):
 
     name: ClassVar[str] = "static-shape"
     requires: ClassVar[tuple[str, ...]] = ("stateless",)
-    ensures: ClassVar[tuple[str, ...]] = ("static",)
     kind: str = option("generate", choices=("prefill", "generate"), help="which model of the static pipeline")
     prompt: int = option(DEFAULT_MAX_PROMPT_LEN, help="prefill: max prompt length P (mask length)")
     chunk: int = option(0, help="prefill: chunk size C (0: the whole prompt at once)")
     size: int = option(DEFAULT_MAX_PROMPT_LEN + DEFAULT_MIN_RESPONSE_LEN,
                        help="generate: variant size T (mask length; past is T - tokens)")
     tokens: int = option(1, help="generate: tokens per step G")
+    rows: str = option("static", choices=("static", "dynamic"),
+                       help="prefill without a chunk: the rows of the token inputs and mask static (P) or dynamic")
+
+    @property
+    def ensures(self) -> tuple[str, ...]:
+        return ("static",) if self.rows == "static" else ("static-but-rows",)
 
     def lengths(self) -> tuple[int, int, int]:
         """(tokens this step, mask length, past length)."""
+        if self.rows == "dynamic" and (self.kind != "prefill" or self.chunk):
+            raise self.fail("rows=dynamic is for a prefill without a chunk (a first chunk): its past is empty")
         if self.kind == "prefill":
             if self.chunk:
                 if self.prompt % self.chunk:
@@ -57,6 +70,8 @@ class StaticShape(Pass):
 
     def run(self, model: ov.Model) -> PassResult:
         step, mask, past = self.lengths()
+        if self.rows == "dynamic":
+            step = mask = -1
         layout = kv_layout(model)
         kv_inputs = {t.input_name: t for t in layout.tensors}
         shapes: dict[int, ov.PartialShape] = {}

@@ -5,7 +5,7 @@
   a past of P - C slots; a partial last chunk is left-padded the same way. With bulk chunks
   (prefill models of B > C tokens, past P - B) a long prompt takes fewer calls, and a
   first-chunk model (F tokens, no past) computes a prompt's positions `[0, F)` reading the
-  prompt alone: the split minimizes the rows computed plus CALL_ROWS per call
+  prompt alone (one of dynamic rows takes its `k <= F` tokens unpadded): the split minimizes the rows computed plus CALL_ROWS per call
   (`prefill_calls`).
 * One KV buffer per cache tensor, sized for the largest variant; every variant reads a
   prefix of it (the past is left-aligned: rows `[0:num_stored]` are valid), so switching
@@ -175,7 +175,8 @@ class StaticPipeline:
         position was computed)."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if C:
-            calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first)
+            calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first,
+                                  self.lengths.first_dynamic)
         else:  # the whole prompt in one call over no past, as a first chunk of P rows is
             calls = [Call(0, n, P, True)]
         rows = []
@@ -183,6 +184,8 @@ class StaticPipeline:
             session = (self.first_sessions if first else self.prefill_sessions)[size] if C else self.prefill
             chunk = prompt[begin:end]
             k, stored = len(chunk), begin  # every row before `begin` is in place (none for a first chunk)
+            if first and self.lengths.first_dynamic:  # its model takes the chunk's rows unpadded
+                size = k
             ids = np.full((1, size), self.pad_token, np.int64)
             ids[0, size - k:] = chunk
             width = size if first else P  # the mask spans the past and the chunk's rows
@@ -433,7 +436,8 @@ class Call(NamedTuple):
     first: bool = False
 
 
-def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, ...], first: tuple[int, ...] = ()):
+def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, ...], first: tuple[int, ...] = (),
+                  dynamic: bool = False):
     """The prefill calls (`Call`) that compute positions `[start, n)` but the `skip` spans
     (sorted, disjoint), gap by gap. A call of chunk c from position s computes
     `[s, min(s + c, gap end))` over a past of P - c slots, so it must start at s <= P - c; a
@@ -444,15 +448,16 @@ def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, 
     16 and a bulk 128 over a past), then to the smaller chunk first, so a bulk call reads the
     rows the smaller ones wrote. A gap whose start no call can take (a restored history ending
     within the last chunk before P) starts at the multiple of the smallest chunk below it
-    instead, computing again the rows from there."""
+    instead, computing again the rows from there. A first chunk of `dynamic` rows computes
+    its `min(F, gap end)` rows alone, so it costs those rows, not F."""
     begin = start
     for a, b in (*skip, (n, n)):
         if begin < a:
-            yield from _gap_calls(begin, a, prompt_len, chunks, first)
+            yield from _gap_calls(begin, a, prompt_len, chunks, first, dynamic)
         begin = b
 
 
-def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...]):
+def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...], dynamic: bool = False):
     C = chunks[0]  # the others are multiples of it: a call starts on the gap's start, or a first chunk's end, + k * C
     inf = float("inf")
     for first in (g0, g0 - g0 % C):
@@ -465,7 +470,7 @@ def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[
             best = inf
             options = [(f, True) for f in reversed(firsts)] if s == 0 else []
             for c, opens in options + [(c, False) for c in chunks if s <= P - c]:
-                total = CALL_ROWS + c + cost[min(s + c, g1)]
+                total = CALL_ROWS + (min(c, g1) if opens and dynamic else c) + cost[min(s + c, g1)]
                 if total < best:
                     best, choice[s] = total, (c, opens)
             cost[s] = best

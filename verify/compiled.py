@@ -126,7 +126,8 @@ def _far_probes(plan) -> list[tuple[int, int, bool]]:
         sizes = (plan.chunk, *plan.bulk)
         for size in sizes:
             origin = plan.prompt - size - plan.chunk
-            calls = (list(prefill_calls(origin, plan.prompt, (), plan.prompt, sizes, plan.first))
+            calls = (list(prefill_calls(origin, plan.prompt, (), plan.prompt, sizes, plan.first,
+                                              plan.first_dynamic))
                      if origin >= 0 and origin % plan.chunk == 0 else [])
             if calls and calls[-1] == (plan.prompt - size, plan.prompt, size, False) and len(calls) == 2:
                 far.append((size, origin, False))
@@ -151,7 +152,7 @@ def _model_probes(plan, lengths: list[int]) -> list[int]:
     sizes = (plan.chunk, *plan.bulk)
 
     def runs(n: int) -> set:
-        return {(c.size, c.first) for c in prefill_calls(0, n, (), plan.prompt, sizes, plan.first)
+        return {(c.size, c.first) for c in prefill_calls(0, n, (), plan.prompt, sizes, plan.first, plan.first_dynamic)
                 if c.first or c.begin > 0}
 
     every = (*sizes, *plan.first)

@@ -2,6 +2,9 @@
 
     stateless      no variable, ReadValue or Assign is left (lift-state ensures it)
     static         every output of every op has a static shape (static-shape ensures it)
+    static-but-rows  static, or every input static but the row dimension (1) of the token
+                   inputs and the attention mask: a first chunk of dynamic rows
+                   (static-shape{rows=dynamic} ensures it)
     standard-ops   no kvc custom op (KVCache) is left: any OpenVINO device can compile it
 
 Each check returns None when the invariant holds, else the reason naming the first node
@@ -46,6 +49,21 @@ def _static(model: ov.Model) -> str | None:
     return None
 
 
+ROW_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids", "attention_mask")
+
+
+def _static_but_rows(model: ov.Model) -> str | None:
+    if not model.is_dynamic():
+        return None
+    for port in model.inputs:
+        shape = port.get_partial_shape()
+        rows = 1 if port.get_names() & set(ROW_INPUTS) else None
+        if shape.rank.is_dynamic or any(d.is_dynamic for a, d in enumerate(shape) if a != rows):
+            return (f"input {port.get_any_name()} is dynamic (shape {shape}) beyond the rows of a token input; a "
+                    f"first chunk of dynamic rows has every other dimension static")
+    return None
+
+
 def _standard_ops(model: ov.Model) -> str | None:
     from kvc.ir.custom_ops import CUSTOM_OPS
 
@@ -59,6 +77,7 @@ def _standard_ops(model: ov.Model) -> str | None:
 INVARIANTS: dict[str, Callable[[ov.Model], str | None]] = {
     "stateless": _stateless,
     "static": _static,
+    "static-but-rows": _static_but_rows,
     "standard-ops": _standard_ops,
 }
 

@@ -120,3 +120,11 @@ def parse_pipeline(text: str) -> list[Pass]:
 
 def format_pipeline(passes: list[Pass]) -> str:
     return ",".join(p.spec() for p in passes)
+
+
+def declared(cls, which: str) -> tuple[str, ...]:
+    """A pass's invariants (`which`: "requires" or "ensures") as its class declares them, or
+    those of its default options where they follow the options (static-shape's rows=dynamic
+    ensures static-but-rows, not static)."""
+    value = getattr(cls, which)
+    return getattr(cls(), which) if isinstance(value, property) else value

@@ -45,11 +45,14 @@ def test_compile_summary_and_outputs(compiled):
                                          (("--prefill-chunk-size", "0"), 0), (("--prefill-chunk-size", "64"), 64)])
 def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     """auto: the CPU's measured chunks for the blobs' arithmetic (32 and a bulk 256 at f32; 16
-    and a bulk 128 at bf16; by default the host's own precision) and first chunks of 16 and 128
-    when compiling for CPU only, else the whole prompt at once, as NPUW does by default; an
-    explicit size always wins. Bulk and first chunks not below P are dropped (with a note): at
-    P 128 all but the first chunk of 16, at P 1024 none."""
+    and a bulk 128 at bf16; by default the host's own precision) and, when compiling for CPU
+    only, a first chunk of dynamic rows, the largest chunk's, at f32 and first chunks of 16 and
+    128 at bf16; else the whole prompt at once, as NPUW does by default; an explicit size
+    always wins. Bulk and static first chunks not below P are dropped (with a note), a dynamic
+    one lowered to P - C: at P 128 the first chunk of 16 (bf16) or of 1..96 (f32), at P 1024
+    none dropped."""
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
+    precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host
     if chunk == "host":
         chunk = 16 if host in ("bf16", "f16") else 32
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", "--max-prompt-len", "128",
@@ -59,15 +62,21 @@ def test_prefill_chunk_auto_follows_the_device(tmp_path, args, chunk):
     auto = "--prefill-chunk-size" not in args and "NPU" not in args
     dropped = "128" if chunk == 16 else "256"
     assert any(f"prefill bulk chunk {dropped} dropped" in a for a in lengths["adjustments"]) == auto
-    first_auto = "NPU" not in args and chunk != 0  # CPU_FIRST, with a chunked prefill
-    assert any("first prefill chunk 128 dropped" in a for a in lengths["adjustments"]) == first_auto
-    assert lengths["prefill_first_chunks"] == ([16] if first_auto else [])
+    first_auto = "NPU" not in args and chunk != 0  # with a chunked prefill
+    dynamic = first_auto and precision == "f32"
+    assert lengths.get("prefill_first_rows", "static") == ("dynamic" if dynamic else "static")
+    if dynamic:  # the largest chunk's rows: 256 lowered to P - C, or the 64 asked
+        assert lengths["prefill_first_chunks"] == ([96] if auto else [chunk])
+        assert any("first prefill chunk 256 lowered to 96" in a for a in lengths["adjustments"]) == auto
+    else:
+        assert any("first prefill chunk 128 dropped" in a for a in lengths["adjustments"]) == first_auto
+        assert lengths["prefill_first_chunks"] == ([16] if first_auto else [])
     if auto and not args:
         result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "long", "--max-prompt-len", "1024",
                      "--min-response-len", "64", "--no-verify", "--json")
         lengths = json.loads(result.stdout)["plan"]["lengths"]
         assert lengths["prefill_bulk_chunks"] == ([128] if chunk == 16 else [256])
-        assert lengths["prefill_first_chunks"] == [16, 128]
+        assert lengths["prefill_first_chunks"] == ([256] if dynamic else [16, 128])
 
 
 @pytest.mark.parametrize("args, kv, attention", [
@@ -91,7 +100,9 @@ def test_kv_precision_and_attention_auto_follow_the_device(tmp_path, args, kv, a
     pipelines = {name: m["pipeline"] for name, m in manifest["models"].items()}
     assert all(("split_past=true" in text) == (attention == "fold" and name.startswith("generate-"))
                for name, text in pipelines.items())
-    assert all(("fold=true" in text) == (attention == "fold" and name.startswith(("prefill", "first")))
+    dynamic = manifest["plan"]["lengths"].get("prefill_first_rows") == "dynamic"  # its attention is the model's
+    assert all(("fold=true" in text) == (attention == "fold" and (name.startswith("prefill") or
+                                                                  name.startswith("first") and not dynamic))
                for name, text in pipelines.items())
     host = core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     precision = args[args.index("--inference-precision") + 1] if "--inference-precision" in args else host

@@ -1232,7 +1232,7 @@ def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_p
 
     out = tmp_path / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", str(chunk),
-        "--prefill-first", str(first))
+        "--prefill-first", str(first), "--prefill-first-rows", "static")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["plan"]["lengths"]["prefill_first_chunks"] == [first]
     model = manifest["models"][f"first-{first}"]
@@ -1249,9 +1249,11 @@ def test_a_first_chunk_model_runs_a_prompts_first_positions_and_is_checked(tmp_p
         assert json.loads(got.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
 
 
-def test_a_first_chunk_model_that_writes_wrong_rows_is_refused(tmp_path, monkeypatch):
-    """The check is not fooled by a first-chunk model: its KV rows negated (in the IR's runs
-    and the blobs') fail the compile (exit 4) at the probe that runs it."""
+@pytest.mark.parametrize("rows,probe", [("static", 25), ("dynamic", 7)])
+def test_a_first_chunk_model_that_writes_wrong_rows_is_refused(tmp_path, monkeypatch, rows, probe):
+    """The check is not fooled by a first-chunk model, of static rows or dynamic: its KV rows
+    negated (in the IR's runs and the blobs') fail the compile (exit 4) at the probe that runs
+    it (a dynamic one runs the shortest)."""
     from kvc.runtime.static_pipeline import StaticPipeline
 
     real_init = StaticPipeline.__init__
@@ -1268,6 +1270,55 @@ def test_a_first_chunk_model_that_writes_wrong_rows_is_refused(tmp_path, monkeyp
 
     monkeypatch.setattr(StaticPipeline, "__init__", init)
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *CLI_SMALL, "--prefill-chunk-size", "16",
-                 "--prefill-first", "32", code=4)
-    assert re.search(r"prompt of 25 tokens: (token \d+ differs|logits differ|KV cache row \d+ of past_key_values)",
+                 "--prefill-first", "32", "--prefill-first-rows", rows, code=4)
+    assert re.search(rf"prompt of {probe} tokens: (token \d+ differs|logits differ|KV cache row \d+ of past_key_values)",
                      result.output), result.output
+
+
+def test_a_first_chunk_of_dynamic_rows_computes_a_prompts_first_tokens_unpadded(tmp_path):
+    """--prefill-first 32 --prefill-first-rows dynamic (chunk 16, P 64): one model first-32
+    whose token inputs and mask are [1, -1] and whose present rows are dynamic, in the CPU
+    blob's If chain with the chunk (its outputs padded to static shapes there); a prompt of 1
+    to 32 tokens is one call of its own rows, a longer one continues with the chunk. From the
+    blobs and on kvc's numpy runtime, prompts of 1, 5, 32 and 40 tokens generate what the
+    unchunked pipeline does, logits to within the blobs' rounding."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", "16",
+        "--prefill-first", "32", "--prefill-first-rows", "dynamic")
+    kvc("compile", fixtures.path("llama"), "-o", whole, *CLI_SMALL, "--prefill-chunk-size", "0", "--no-verify")
+    manifest = read_manifest(out)
+    assert manifest["plan"]["lengths"]["prefill_first_rows"] == "dynamic"
+    model = manifest["models"]["first-32"]
+    assert {p["name"]: p["shape"] for p in model["inputs"]} == {"input_ids": [1, -1], "attention_mask": [1, -1],
+                                                                "position_ids": [1, -1]}
+    assert all(p["shape"][2] == -1 for p in model["outputs"] if p["name"].startswith("present."))
+    assert model["blobs"]["CPU"]["branches"] == ["prefill", "first-32"]
+    for n in (5, 32, 40):
+        assert list(prefill_calls(0, n, (), 64, (16,), (32,), True))[0] == (0, min(n, 32), 32, True)
+    blobs, numpy_runtime, unchunked = (open_compiled(out, "openvino"), open_compiled(out, "numpy"),
+                                       open_compiled(whole, "numpy"))
+    for n in (1, 5, 32, 40):
+        ids = list(range(3, 3 + n))
+        want = unchunked.generate(ids, 4)
+        for pipe in (blobs, numpy_runtime):
+            got = pipe.generate(ids, 4)
+            assert got.tokens == want.tokens
+            np.testing.assert_allclose(np.stack(got.logits), np.stack(want.logits), rtol=0, atol=1e-4)
+
+
+def test_a_first_chunk_of_dynamic_rows_is_for_the_cpu_only(tmp_path):
+    """The NPU runs static shapes only: --prefill-first-rows dynamic with an NPU device is a
+    usage error (exit 2) naming the device; auto is static there and dynamic for an f32 CPU
+    compile with a chunk."""
+    from kvc.export.compile import resolve_first_rows
+
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *CLI_SMALL, "--device", "CPU", "--device", "NPU",
+                 "--prefill-chunk-size", "16", "--prefill-first", "32", "--prefill-first-rows", "dynamic", code=2)
+    assert "--prefill-first-rows dynamic is for CPU-only compiles: NPU runs static shapes only" in result.output
+    assert not (tmp_path / "out").exists()
+    assert resolve_first_rows("auto", ("CPU", "NPU"), "f32", 16) == "static"
+    assert resolve_first_rows("auto", ("CPU",), "f32", 16) == "dynamic"
+    assert resolve_first_rows("auto", ("CPU",), "bf16", 16) == "static"
+    assert resolve_first_rows("auto", ("CPU",), "f32", 0) == "static"

@@ -152,6 +152,22 @@ def test_a_malformed_plan_is_refused_naming_the_manifest(compiled, damage, messa
     assert f"{compiled / MANIFEST}: {message}" in out
 
 
+@pytest.mark.parametrize("dim,message", [
+    (-1, "model 'prefill' has dynamic ports, which only a first chunk of dynamic rows has"),
+    (-2, "model 'prefill' has malformed inputs"),
+])
+def test_a_dynamic_port_is_trusted_only_on_a_first_chunk_of_dynamic_rows(compiled, dim, message):
+    """A manifest's -1 (a dynamic dimension) is a first chunk of dynamic rows' alone: on the
+    prefill model's input_ids it is refused before anything is imported (exit 3), and any
+    other negative dimension is malformed."""
+    m = json.loads((compiled / MANIFEST).read_text())
+    port = next(p for p in m["models"]["prefill"]["inputs"] if p["name"] == "input_ids")
+    port["shape"][1] = dim
+    (compiled / MANIFEST).write_text(dumps(m))
+    out = run(compiled, code=3).output
+    assert message in out
+
+
 def test_the_plan_round_trips_through_the_manifest(compiled):
     from kvc.export.manifest import plan_of, read_manifest
     from kvc.plan import StaticPlan
@@ -217,7 +233,7 @@ def test_a_blob_that_does_not_import_is_never_published(tmp_path, source, monkey
                         lambda *args: {**real(*args), "WEIGHTS_PATH": "no-such-weights.bin"})
     out = tmp_path / "bad"
     result = kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", code=5)
-    assert re.search(r"cannot import (prefill(\+first-16)?|generate-128)\.CPU\.blob on CPU: ", result.output)
+    assert re.search(r"cannot import (prefill(\+first-\d+)?|generate-128)\.CPU\.blob on CPU: ", result.output)
     assert not out.exists() and not list(tmp_path.glob(".bad*"))
 
 
@@ -263,7 +279,7 @@ def test_without_embedded_small_constants_the_blob_check_refuses_gptj(tmp_path, 
     monkeypatch.setattr(compile_mod, "embed_small_constants", lambda model: None)
     out = tmp_path / "gptj"
     result = kvc("compile", fixtures.path("gptj"), "-o", out, *SMALL, "--device", "CPU", code=5)
-    assert re.search(r"cannot import (prefill(\+first-16)?|generate-128)\.CPU\.blob on CPU: .*incompatible",
+    assert re.search(r"cannot import (prefill(\+first-\d+)?|generate-128)\.CPU\.blob on CPU: .*incompatible",
                      result.output)
     assert not out.exists()
 
@@ -284,7 +300,7 @@ def bulky(tmp_path_factory, source):
     first 32 (P 64), an f16 cache."""
     out = tmp_path_factory.mktemp("trust") / "bulk"
     kvc("compile", source, "-o", out, *SMALL, "--device", "CPU", "--prefill-chunk-size", "16,32", "--prefill-first", "32",
-        "--kv-precision", "f16", "--no-verify")
+        "--prefill-first-rows", "static", "--kv-precision", "f16", "--no-verify")
     return out
 
 

@@ -220,12 +220,18 @@ def test_ensures_is_checked_and_names_the_pass():
 
 
 def test_every_pass_states_its_contract():
-    contracts = {name: (cls.requires, cls.ensures) for name, cls in registered().items() if not name.startswith("test-")}
+    from kvc.passes.framework.registry import declared
+    from kvc.passes.static_shape import StaticShape
+
+    contracts = {name: (declared(cls, "requires"), declared(cls, "ensures"))
+                 for name, cls in registered().items() if not name.startswith("test-")}
     assert contracts["lift-state"] == ((), ("stateless",))
     assert contracts["static-shape"] == (("stateless",), ("static",))
+    assert StaticShape(kind="prefill", rows="dynamic").ensures == ("static-but-rows",)
     assert contracts["lower-kvcache"][1] == ("standard-ops",)
-    for name in ("mask-positions", "unmask-pad-rows", "group-attention", "kv-io"):
+    for name in ("mask-positions", "unmask-pad-rows", "group-attention"):
         assert "static" in contracts[name][0], name
+    assert contracts["kv-io"] == (("stateless", "static-but-rows"), ("static-but-rows",))
 
 
 def test_the_compile_pipeline_keeps_its_word_on_every_fixture(fixture_name):

@@ -91,6 +91,65 @@ def test_plan_first_chunk_rules():
         plan_lengths(64, 64, chunk=16, first=(0,))
 
 
+def test_plan_first_chunk_of_dynamic_rows_rules():
+    """A first chunk of dynamic rows is one size; one not below P is lowered to P - C (the
+    bundled model's P of 128 keeps one), not dropped; the manifest's lengths say "dynamic"
+    and read back; a manifest saying so with two first chunks is refused."""
+    from kvc.plan import LengthPlan
+
+    L = plan_lengths(1024, 128, chunk=(32, 256), first=(256,), first_rows="dynamic")
+    assert (L.first, L.first_dynamic, L.notes) == ((256,), True, ())
+    assert LengthPlan.from_dict(L.to_dict()) == L and L.to_dict()["prefill_first_rows"] == "dynamic"
+    L = plan_lengths(128, 64, chunk=32, first=(256,), first_rows="dynamic")
+    assert (L.first, L.first_dynamic) == ((96,), True)
+    assert L.notes == ("first prefill chunk 256 lowered to 96: its rows are dynamic, up to the max prompt length 128 "
+                       "less one chunk",)
+    assert "prefill_first_rows" not in plan_lengths(64, 64, chunk=16, first=(32,)).to_dict()  # static: as before
+    L = plan_lengths(64, 64, chunk=0, first=(32,), first_rows="dynamic")
+    assert (L.first, L.first_dynamic) == ((), False)
+    with pytest.raises(UsageError, match="one size, 1 to F rows; got first chunks \\[16, 128\\]"):
+        plan_lengths(1024, 128, chunk=32, first=(16, 128), first_rows="dynamic")
+    with pytest.raises(UsageError, match="must be static or dynamic"):
+        plan_lengths(1024, 128, chunk=32, first=(16,), first_rows="ragged")
+    bad = {**plan_lengths(1024, 128, chunk=32, first=(16, 128)).to_dict(), "prefill_first_rows": "dynamic"}
+    with pytest.raises(ValueError, match="dynamic with one first chunk"):
+        LengthPlan.from_dict(bad)
+
+
+def test_static_shape_with_dynamic_rows_leaves_only_the_rows_dynamic():
+    """static-shape{rows=dynamic}: the token inputs and the mask [1, ?], the past empty; kv-io
+    then removes the past and slices the logits to the last row, [1, 1, V], which is the
+    unpadded model's last row for any row count (OpenVINO CPU). A chunk is refused."""
+    import openvino as ov
+
+    model = run("llama", "lift-state,static-shape{kind=prefill,prompt=32,rows=dynamic},kv-io{slice_logits=true}")
+    ins = {p.get_any_name(): str(p.get_partial_shape()) for p in model.inputs}
+    assert ins == {"input_ids": "[1,?]", "attention_mask": "[1,?]", "position_ids": "[1,?]"}
+    assert model.output("logits").get_partial_shape().is_static and model.output("logits").get_shape()[1] == 1
+    full = run("llama", "lift-state,static-shape{kind=prefill,prompt=32,rows=dynamic},kv-io")
+    core = ov.Core()
+    sliced, whole = (core.compile_model(m, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}) for m in (model, full))
+    for n in (1, 5, 32):
+        feed = {"input_ids": np.arange(3, 3 + n)[None], "attention_mask": np.ones((1, n), np.int64),
+                "position_ids": np.arange(n)[None]}
+        last, every = sliced(feed)["logits"], whole(feed)["logits"]
+        assert last.shape[1] == 1 and every.shape[1] == n
+        np.testing.assert_array_equal(last[0, 0], every[0, -1])
+    with pytest.raises(PassFailure, match="rows=dynamic is for a prefill without a chunk"):
+        run("llama", "lift-state,static-shape{kind=prefill,prompt=32,chunk=16,rows=dynamic}")
+
+
+def test_static_but_rows_names_an_input_dynamic_beyond_its_rows():
+    """The invariant static-shape{rows=dynamic} ensures: a past input left dynamic breaks it."""
+    from kvc.passes.framework.invariants import check
+
+    model = run("llama", "lift-state")
+    name, reason = check(("static-but-rows",), model)
+    assert name == "static-but-rows" and "beyond the rows of a token input" in reason
+    assert check(("static-but-rows",), run("llama", "lift-state,static-shape{kind=prefill,prompt=32,rows=dynamic}")) \
+        is None
+
+
 # The NPU plugin's own sizes, from its rule (npuw/llm_compiled_model.cpp,
 # create_generate_model_variants: 1024 * 2^k + R while <= P + R, then P + R), after its
 # alignments (P and R up to 64, P up to the chunk).

@@ -181,6 +181,22 @@ def test_a_tie_goes_to_the_larger_first_chunk():
     assert [(c.size, c.first) for c in prefill_calls(0, 7, (), 1024, (16, 128), (16, 128))] == [(16, True)]
 
 
+def test_a_first_chunk_of_dynamic_rows_costs_the_rows_it_computes():
+    """With a first chunk of dynamic rows (the CPU's f32 default: chunk 32, bulk 256, first
+    1..256) a prompt's first call computes its own tokens: 16 and 100 tokens are one call each
+    (a static first chunk of 256 would cost 256 rows, and lose to chunk calls), 300 tokens the
+    first 256 and two chunks, and a restored history leaves the first chunk out."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    def calls(n, dynamic=True, skip=()):
+        return list(prefill_calls(0, n, skip, 1024, (32, 256), (256,), dynamic))
+
+    assert calls(16) == [(0, 16, 256, True)] and calls(100) == [(0, 100, 256, True)]
+    assert calls(300) == [(0, 256, 256, True), (256, 288, 32, False), (288, 300, 32, False)]
+    assert not any(c.first for c in calls(16, dynamic=False)) and calls(100, dynamic=False)[0].size == 32
+    assert not any(c.first for c in list(prefill_calls(64, 100, (), 1024, (32, 256), (256,), True)))
+
+
 def test_a_calls_fixed_cost_follows_the_host(tmp_path, monkeypatch):
     """CALL_ROWS is 64 with AMX (a call's pass over the weights worth 51 rows there) and 16
     without (a compute-bound prefill: about 10): a 40-token prompt with chunks 16 + 128 and a
