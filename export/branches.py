@@ -22,7 +22,7 @@ every body's (`padded_outputs`), so that the Ifs' outputs are static, and each
 dynamic`) is a body too: its inputs are dynamic, its outputs padded to F rows at least
 (`bounded`) by a Pad of what their ShapeOf lacks and a Reshape, which types them static; the
 CPU plugin 2026.4.1 ran such a chain alternating bodies and row counts, and the chunk and bulk
-bodies ran no slower beside it. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
+bodies ran no slower beside it. It leads the chain (`branch_chain`): every prompt starts with it. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
 first chunk compiled as one held 1700 MB against 2539 for the three apart (one packing of the
 weights, not three); an open holds 1125 MB against 1508 when only the first and bulk chunks
 shared a blob. The price is the bulk calls': a 1000-token prompt's TTFT (a first chunk, then
@@ -59,25 +59,32 @@ def branch_groups(models: Mapping[str, dict], device: str) -> list[tuple[str, ..
     """The models whose blob is one If chain on `device`, in its order (`branch_chain`).
     `models` maps a name to its manifest entry; a group's outputs must pad to one table
     (`padded_outputs`: those that differ from the first's are left out); a group of one is no
-    group."""
-    from kvc.export.manifest import padded_outputs
+    group. A first chunk of dynamic rows (-1 in its inputs) leads the chain."""
+    from kvc.export.manifest import model_kind, padded_outputs
 
-    group = branch_chain(models, device)
+    dynamic = any(-1 in p["shape"] for n, m in models.items() if (model_kind(n) or ("",))[0] == "first"
+                  for p in m["inputs"])
+    group = branch_chain(models, device, dynamic_first=dynamic)
     group = [n for n in group if padded_outputs([models[n]["outputs"], models[group[0]]["outputs"]]) is not None]
     return [tuple(group)] if len(group) > 1 else []
 
 
-def branch_chain(names, device: str) -> tuple[str, ...]:
+def branch_chain(names, device: str, dynamic_first: bool = False) -> tuple[str, ...]:
     """Which of the static models (by name) one If chain holds on `device` (the CPU only), in
     its order: every prefill model, the chunk first (the most frequent call, its past copied
     into one body, where a model nested deeper is copied at each level), then the bulk chunks
     and the first chunks (which read no past), each from the largest; a chain of one is none.
-    The rule kvc compile groups by, and `kvc plan` counts blobs by (kvc.planner)."""
+    A first chunk of dynamic rows (`dynamic_first`) goes first instead: it is every prompt's
+    first call, and the chunk and bulk chunks serve only what follows its F tokens. Each level
+    copies the running body's outputs out again (padded to the largest rows): the 250M Llama's
+    16-token call took 84.9 ms outermost against 92.5 innermost, a chunk call 156 against 141,
+    a bulk call 798 against 767 (`bench/if_chain.py`, one process). The rule kvc compile
+    groups by, and `kvc plan` counts blobs by (kvc.planner)."""
     from kvc.export.manifest import model_kind
 
     if device != "CPU":
         return ()
-    order = {"prefill": 0, "first": 1}
+    order = {"first": 0, "prefill": 1} if dynamic_first else {"prefill": 0, "first": 1}
     chain = sorted((n for n in names if model_kind(n)[0] in order),
                    key=lambda n: (order[model_kind(n)[0]], model_kind(n)[1] is not None, -(model_kind(n)[1] or 0)))
     return tuple(chain) if len(chain) > 1 else ()

@@ -63,6 +63,20 @@ def test_every_prefill_model_groups_the_chunk_first_on_the_cpu_only():
     assert branch_groups(models, "CPU") == []
 
 
+def test_a_first_chunk_of_dynamic_rows_leads_the_chain():
+    """Every prompt's first call is a first chunk of dynamic rows (its inputs [1, -1]): it is
+    the outermost body, its outputs copied out once; the chunk and bulk chunk follow. Its
+    outputs pad to its F rows at least (here 64, above the bulk chunk's 32)."""
+    from kvc.export.branches import branch_ports
+
+    models = {"prefill-32": entry(32, 64, 32), "first-64": entry(-1, -1), "prefill": entry(16, 64, 48),
+              "generate-80": entry(1, 80, 79)}
+    assert branch_groups(models, "CPU") == [("first-64", "prefill", "prefill-32")]
+    ports = branch_ports({m: models[m] for m in ("first-64", "prefill", "prefill-32")})
+    assert [p["shape"] for p in ports["outputs"]] == [[1, 1, 50], [1, 2, 64, 16]]
+    assert {p["name"]: p["shape"] for p in ports["inputs"]}["first-64.input_ids"] == [1, -1]
+
+
 def test_each_model_selects_its_own_if_and_no_other():
     assert branch_selects(["prefill-32", "first-32", "first-16"]) == {
         "prefill-32": {"kvc.select.0.prefill-32": True, "kvc.select.1.first-32": False},

@@ -1278,7 +1278,7 @@ def test_a_first_chunk_model_that_writes_wrong_rows_is_refused(tmp_path, monkeyp
 def test_a_first_chunk_of_dynamic_rows_computes_a_prompts_first_tokens_unpadded(tmp_path):
     """--prefill-first 32 --prefill-first-rows dynamic (chunk 16, P 64): one model first-32
     whose token inputs and mask are [1, -1] and whose present rows are dynamic, in the CPU
-    blob's If chain with the chunk (its outputs padded to static shapes there); a prompt of 1
+    blob's If chain, ahead of the chunk (its outputs padded to static shapes there); a prompt of 1
     to 32 tokens is one call of its own rows, a longer one continues with the chunk. From the
     blobs and on kvc's numpy runtime, prompts of 1, 5, 32 and 40 tokens generate what the
     unchunked pipeline does, logits to within the blobs' rounding."""
@@ -1294,7 +1294,7 @@ def test_a_first_chunk_of_dynamic_rows_computes_a_prompts_first_tokens_unpadded(
     assert {p["name"]: p["shape"] for p in model["inputs"]} == {"input_ids": [1, -1], "attention_mask": [1, -1],
                                                                 "position_ids": [1, -1]}
     assert all(p["shape"][2] == -1 for p in model["outputs"] if p["name"].startswith("present."))
-    assert model["blobs"]["CPU"]["branches"] == ["prefill", "first-32"]
+    assert model["blobs"]["CPU"]["branches"] == ["first-32", "prefill"]  # every prompt's first call leads
     for n in (5, 32, 40):
         assert list(prefill_calls(0, n, (), 64, (16,), (32,), True))[0] == (0, min(n, 32), 32, True)
     blobs, numpy_runtime, unchunked = (open_compiled(out, "openvino"), open_compiled(out, "numpy"),
