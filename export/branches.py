@@ -22,10 +22,10 @@ every body's (`padded_outputs`), so that the Ifs' outputs are static, and each
 dynamic`) is a body too: its inputs are dynamic, its outputs padded to F rows at least
 (`bounded`) by a Pad of what their ShapeOf lacks and a Reshape, which types them static; the
 CPU plugin 2026.4.1 ran such a chain alternating bodies and row counts, and the chunk and bulk
-bodies ran no slower beside it. It leads the chain (`branch_chain`): every prompt starts with it. On the 250M Llama (AVX512_BF16 host), the chunk, bulk and
-first chunk compiled as one held 1700 MB against 2539 for the three apart (one packing of the
-weights, not three); an open holds 1125 MB against 1508 when only the first and bulk chunks
-shared a blob. The price is the bulk calls': a 1000-token prompt's TTFT (a first chunk, then
+bodies ran no slower beside it; it leads the chain (`branch_chain`), every prompt's first call.
+On the 250M Llama (AVX512_BF16 host), the chunk, bulk and first chunk compiled as one held
+1700 MB against 2539 for the three apart (one packing of the weights, not three); an open
+holds 1125 MB against 1508 when only the first and bulk chunks shared a blob. The price is the bulk calls': a 1000-token prompt's TTFT (a first chunk, then
 seven bulk calls) took 1489 ms against 1402, a 16- or 100-token prompt's the same
 (docs/benchmarks.md).
 
@@ -146,7 +146,8 @@ def branch_model(models: Mapping[str, ov.Model]) -> ov.Model:
 
     names = branch_inputs({m: port_table(model.inputs) for m, model in models.items()})
     order = list(models)
-    largest = [p["shape"] for p in padded_outputs([bounded(m, port_table(model.outputs)) for m, model in models.items()])]
+    tables = [bounded(m, port_table(model.outputs)) for m, model in models.items()]
+    largest = [p["shape"] for p in padded_outputs(tables)]
     for name, model in models.items():  # every body's parameters by their names in the If
         for param in model.get_parameters():
             param.output(0).set_names({names[name][param.output(0).get_any_name()]})
@@ -172,7 +173,8 @@ def _pad_results(model: ov.Model, shapes) -> None:
         zero = ops.convert(ops.constant(np.zeros((), np.float32)), value.get_element_type())  # bf16 too
         begins = ops.constant(np.zeros(len(shape), np.int64))
         if have.is_static:
-            padded = ops.pad(value, begins, ops.constant(np.array(shape, np.int64) - np.array(list(have.to_shape()), np.int64)), "constant", zero)
+            ends = np.array(shape, np.int64) - np.array(list(have.to_shape()), np.int64)
+            padded = ops.pad(value, begins, ops.constant(ends), "constant", zero)
         else:
             target = ops.constant(np.array(shape, np.int64))
             padded = ops.reshape(ops.pad(value, begins, ops.subtract(target, ops.shape_of(value, "i64")), "constant",

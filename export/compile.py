@@ -178,8 +178,9 @@ def resolve_first_rows(value: str, devices=("CPU",), precision: str = "f32", chu
     if value == "auto":
         return "dynamic" if cpu_only(devices) and chunk and cpu_precision(precision) == "f32" else "static"
     if value == "dynamic" and not cpu_only(devices):
-        raise UsageError(f"--prefill-first-rows dynamic is for CPU-only compiles: {', '.join(d for d in devices if d != 'CPU')} "
-                         f"runs static shapes only (REFERENCE.md §4)")
+        others = ", ".join(d for d in devices if d != "CPU")
+        raise UsageError(f"--prefill-first-rows dynamic is for CPU-only compiles: {others} runs static shapes only "
+                         f"(REFERENCE.md §4)")
     return value
 
 

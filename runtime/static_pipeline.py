@@ -5,7 +5,8 @@
   a past of P - C slots; a partial last chunk is left-padded the same way. With bulk chunks
   (prefill models of B > C tokens, past P - B) a long prompt takes fewer calls, and a
   first-chunk model (F tokens, no past) computes a prompt's positions `[0, F)` reading the
-  prompt alone (one of dynamic rows takes its `k <= F` tokens unpadded): the split minimizes the rows computed plus CALL_ROWS per call
+  prompt alone (one of dynamic rows takes its `k <= F` tokens unpadded): the split
+  minimizes the rows computed plus CALL_ROWS per call
   (`prefill_calls`).
 * One KV buffer per cache tensor, sized for the largest variant; every variant reads a
   prefix of it (the past is left-aligned: rows `[0:num_stored]` are valid), so switching
