@@ -31,6 +31,7 @@ plan.json`) is what `kvc compile --plan` reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -369,6 +370,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     baselines = [evaluate(v, workload, costs, default_chunk, v, defaults, default_first, device)
                  for v in ("single", "pyramid")]
     best = None
+    decode = functools.cache(lambda R, sizes: decode_ms(workload, costs, R, sizes))  # the same for every prefill
     P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)
     chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0]
     for chunk in chunks:
@@ -388,7 +390,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
                         break
                     for combo in itertools.combinations(candidates, extra):
                         sizes = (*combo, top)
-                        ms = prefill + decode_ms(workload, costs, R, sizes)
+                        ms = prefill + decode(R, sizes)
                         if best is None or ms < best[0] - 1e-9:
                             best = (ms, (chunk, *bulk), sizes, first, P)
     if best is None:
