@@ -101,13 +101,16 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         costs = measure_costs(path, device, inference_precision, progress=progress)
         write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
         progress(f"costs measured and written to {target}")
-    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first
+    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first, resolve_first_rows
     from kvc.ir.reader import resolve
 
+    # as kvc compile resolves its defaults (--prefill-first-rows auto: dynamic on an f32 CPU)
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    default_first = resolve_first("auto", (device,), default_chunk)
+    first_rows = resolve_first_rows("auto", (device,), inference_precision, default_chunk)
+    default_first = resolve_first("auto", (device,), default_chunk, first_rows)
     stated = model_max_positions(resolve(path).root)
-    result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device)
+    result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device,
+                       first_rows)
     document = plan_document(result, load, costs, budget)
     if out is not None:
         write_bytes_atomic(out, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
@@ -121,7 +124,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
                f"(max {s['prompt_tokens']['max']}), {s['new_tokens']['mean']:.0f} new (max {s['new_tokens']['max']})")
     rows = []
     for c in (result["plan"], *result["baselines"]):
-        rows.append((c.name, c.prompt, c.response, chunk_label(c.chunk, c.bulk, c.first), ",".join(map(str, c.sizes)),
+        rows.append((c.name, c.prompt, c.response, chunk_label(c.chunk, c.bulk, c.first, c.first_dynamic), ",".join(map(str, c.sizes)),
                      f"{c.ttft_ms:.1f}", f"{c.decode_ms:.1f}", f"{c.request_ms:.1f}", c.models,
                      f"{c.compile_s:.1f}", human_bytes(c.model_bytes)))
     click.echo(table(["", "P", "R", "chunk", "variants", "TTFT ms", "decode ms", "request ms", "models",

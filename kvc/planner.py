@@ -270,6 +270,7 @@ class Candidate:
     model_bytes: int
     bulk: tuple[int, ...] = ()  # bulk prefill chunks
     first: tuple[int, ...] = ()  # first chunks
+    first_dynamic: bool = False  # the one first chunk takes 1 to F rows (--prefill-first-rows dynamic)
 
     @property
     def chunks(self) -> int | list[int]:
@@ -282,7 +283,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "max_prompt_len": self.prompt, "min_response_len": self.response,
-                "prefill_chunk_size": self.chunks, "prefill_first": list(self.first), "variants": list(self.sizes),
+                "prefill_chunk_size": self.chunks, "prefill_first": list(self.first),
+                **({"prefill_first_rows": "dynamic"} if self.first_dynamic else {}), "variants": list(self.sizes),
                 "expected_ms": {"ttft": self.ttft_ms, "decode": self.decode_ms, "request": self.request_ms},
                 "models": self.models, "compile_s": self.compile_s, "model_bytes": self.model_bytes}
 
@@ -297,16 +299,21 @@ def lengths_for(workload: Workload, chunks: int | tuple[int, ...]) -> tuple[int,
 
 
 def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple[int, ...] = (),
-               first: tuple[int, ...] = ()) -> float:
+               first: tuple[int, ...] = (), dynamic: bool = False) -> float:
     """Mean prefill time: the calls the runtime makes for each prompt (`prefill_calls`), a
-    first chunk's at its own cost (`Costs.first`)."""
+    first chunk's at its own cost (`Costs.first`): F rows, or with `dynamic` rows the rows the
+    call computes (a first chunk of dynamic rows takes a prompt's first 1 to F tokens
+    unpadded; its cost is interpolated from the static first chunks `measure_costs` times)."""
     from kvc.runtime.static_pipeline import prefill_calls
 
     if not chunk or chunk >= P:
         return float(costs.call(P))
     lengths, counts = np.unique(workload.prompts, return_counts=True)
-    ms = {(c, False): float(costs.call(c)) for c in (chunk, *bulk)} | {(f, True): float(costs.first(f)) for f in first}
-    per_length = [sum(ms[call.size, call.first] for call in prefill_calls(0, int(n), (), P, (chunk, *bulk), first))
+    ms = {(c, False): float(costs.call(c)) for c in (chunk, *bulk)}
+    rows = sorted({min(f, int(n)) for f in first for n in lengths} if dynamic else set(first))
+    ms |= {(r, True): float(c) for r, c in zip(rows, costs.first(rows))}
+    per_length = [sum(ms[(call.end - call.begin) if call.first and dynamic else call.size, call.first]
+                      for call in prefill_calls(0, int(n), (), P, (chunk, *bulk), first, dynamic))
                   for n in lengths]
     return float(np.dot(per_length, counts) / counts.sum())
 
@@ -342,32 +349,38 @@ def decode_ms(workload: Workload, costs: Costs, R: int, sizes) -> float:
 
 
 def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int, ...], variants,
-             lengths: tuple[int, int] | None = None, first: tuple[int, ...] = (), device: str = "CPU") -> Candidate:
+             lengths: tuple[int, int] | None = None, first: tuple[int, ...] = (), device: str = "CPU",
+             first_rows: str = "static") -> Candidate:
     """`chunk`: one size, or the chunk and its bulk chunks (as --prefill-chunk-size); `first`:
-    the first chunks (as --prefill-first; those plan_lengths drops are dropped)."""
+    the first chunks (as --prefill-first; those plan_lengths drops are dropped), of
+    `first_rows` (as --prefill-first-rows, resolved)."""
     sizes = chunk if isinstance(chunk, tuple) else (chunk,)
     P, R = lengths or lengths_for(workload, sizes)
-    L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants, first=first)
+    L = plan_lengths(P, R, sizes if sizes[0] < P else 0, variants, first=first,
+                     first_rows=first_rows if len(first) <= 1 else "static")
     models, blob_count = blobs(L.bulk, L.first, L.sizes, device)
     return Candidate(name, L.prompt, L.response, L.chunk, L.sizes,
-                     prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk, L.first),
+                     prefill_ms(workload, costs, L.prompt, L.chunk, L.bulk, L.first, L.first_dynamic),
                      decode_ms(workload, costs, L.response, L.sizes), blob_count, models * costs.compile_s,
-                     blob_count * costs.model_bytes, L.bulk, L.first)
+                     blob_count * costs.model_bytes, L.bulk, L.first, L.first_dynamic)
 
 
 def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int | tuple[int, ...] = 0,
-              max_positions: int | None = None, default_first: tuple[int, ...] = (), device: str = "CPU") -> dict:
+              max_positions: int | None = None, default_first: tuple[int, ...] = (), device: str = "CPU",
+              first_rows: str = "static") -> dict:
     """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
     without a plan: the default chunk and first chunks, and the default lengths (P 1024, R 128,
     P lowered to fit the model's `max_positions` as kvc compile lowers it) when they serve every
     request of the workload, else the workload's. The search takes at most one bulk chunk and at
     most one first chunk, of the chunk's or the bulk chunk's rows (on the CPU all in one blob:
-    `blobs`)."""
+    `blobs`), of `first_rows` (--prefill-first-rows, resolved: "dynamic" on an f32 CPU, where
+    `kvc compile` builds a first chunk that computes a prompt's first 1 to F tokens unpadded,
+    so the plan costs it as the compile builds it)."""
     fitted = plan_lengths(None, None, default_chunk, "single", max_positions=max_positions)  # as compile fits them
     serves = (int(workload.prompts.max()) <= fitted.prompt
               and int((workload.prompts + workload.responses - 1).max()) <= fitted.prompt + fitted.response)
     defaults = (fitted.prompt, fitted.response) if serves else None
-    baselines = [evaluate(v, workload, costs, default_chunk, v, defaults, default_first, device)
+    baselines = [evaluate(v, workload, costs, default_chunk, v, defaults, default_first, device, first_rows)
                  for v in ("single", "pyramid")]
     best = None
     decode = functools.cache(lambda R, sizes: decode_ms(workload, costs, R, sizes))  # the same for every prefill
@@ -384,7 +397,8 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
                 q = np.quantile(workload.prompts + R, np.linspace(0, 1, MAX_VARIANT_CANDIDATES))
                 candidates = sorted({min(top - NPUW_ALIGN, _align(int(v), NPUW_ALIGN)) for v in q} - {top})
             for first in [(), *((x,) for x in (chunk, *bulk) if 0 < chunk < P)]:
-                prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first)
+                prefill = prefill_ms(workload, costs, P, chunk if chunk < P else 0, bulk, first,
+                                     first_rows == "dynamic" and bool(first))
                 for extra in range(0, budget.max_models):
                     if not _fits(budget, costs, *blobs(bulk, first, (0,) * (extra + 1), device)):
                         break
@@ -396,7 +410,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     if best is None:
         raise UsageError("no plan fits the budget: even one prefill and one generate model exceed it")
     ms, chunk, sizes, first, P = best
-    plan = evaluate("plan", workload, costs, chunk, sizes, first=first, device=device)
+    plan = evaluate("plan", workload, costs, chunk, sizes, first=first, device=device, first_rows=first_rows)
     searched = (P, chunk[0] if chunk[0] < P else 0, chunk[1:], first, sizes, ms)
     built = (plan.prompt, plan.chunk, plan.bulk, plan.first, plan.sizes, plan.request_ms)
     if searched[:-1] != built[:-1] or not math.isclose(ms, plan.request_ms, rel_tol=1e-9):

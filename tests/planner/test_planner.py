@@ -77,6 +77,34 @@ def test_first_chunk_calls_cost_their_own_and_default_to_a_chunk_calls():
     assert Costs.from_dict(CPU.to_dict()) == CPU and "first_ms" not in older.to_dict()
 
 
+def test_a_first_chunk_of_dynamic_rows_costs_the_rows_it_computes():
+    """On an f32 CPU kvc compile builds one first chunk of dynamic rows (1 to F tokens,
+    unpadded): the planner costs its call by the rows the call computes, as the runtime splits
+    the prompt (`prefill_calls(..., dynamic=True)`), not by F; the defaults it compares against
+    and the plan it picks say so, and plan_lengths builds what it costed."""
+    from kvc.plan import plan_lengths
+
+    w = Workload(np.array([100, 300, 7]), np.array([1, 1, 1]))
+    # 300 tokens: first 128, three chunks of 16, then a bulk call of the last 124 (the small ones first)
+    want = np.mean([float(CPU.first(100)), float(CPU.first(128) + 3 * CPU.call(16) + CPU.call(128)),
+                    float(CPU.first(7))])
+    got = prefill_ms(w, CPU, 1024, 16, (128,), (128,), dynamic=True)
+    assert got == pytest.approx(float(want))
+    assert got < prefill_ms(w, CPU, 1024, 16, (128,), (128,))  # static: 100 and 7 tokens cost 128 rows each
+    chat = workload(1, 80, (10, 200), (16, 64))
+    result = best_plan(chat, CPU, Budget(max_models=3), (16, 128), None, (128,), "CPU", "dynamic")
+    pyramid = next(b for b in result["baselines"] if b.name == "pyramid")
+    assert pyramid.first == (128,) and pyramid.first_dynamic and pyramid.to_dict()["prefill_first_rows"] == "dynamic"
+    static = best_plan(chat, CPU, Budget(max_models=3), (16, 128), None, (128,), "CPU")
+    assert next(b for b in static["baselines"] if b.name == "pyramid").ttft_ms > pyramid.ttft_ms
+    plan = result["plan"]
+    assert plan.first and plan.first_dynamic
+    L = plan_lengths(plan.prompt, plan.response, (plan.chunk, *plan.bulk), plan.sizes, first=plan.first,
+                     first_rows="dynamic")
+    assert (L.first, L.first_dynamic, L.notes) == (plan.first, True, ())
+    assert "prefill_first_rows" not in static["plan"].to_dict()
+
+
 def test_the_prefill_models_are_one_cpu_blob():
     """Blobs as kvc compile builds them (export/branches.py: on the CPU the chunk, bulk and first
     chunks are one If blob): compiling counts every model, the budget's models and memory
@@ -283,6 +311,11 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     L = doc["lengths"]
     assert L["max_prompt_len"] >= 90 and L["max_prompt_len"] + L["min_response_len"] >= 99
     assert {b["name"] for b in doc["against"]} == {"single", "pyramid"}
+    from kvc.export.compile import resolve_chunk, resolve_first_rows
+
+    rows = resolve_first_rows("auto", ("CPU",), "auto", resolve_chunk("auto", ("CPU",), "auto"))
+    pyramid = next(b for b in doc["against"] if b["name"] == "pyramid")  # the defaults, as kvc compile resolves them
+    assert pyramid["prefill_first"] and pyramid.get("prefill_first_rows", "static") == rows
     out = tmp_path / "out"
     kvc("compile", fixtures.path("llama"), "-o", out, "--plan", plan, "--no-verify")
     manifest = json.loads((out / "manifest.json").read_text())
