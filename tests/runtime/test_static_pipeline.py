@@ -52,9 +52,14 @@ def reference(name: str):
     return [greedy(session, p, 24) for p in prompts()]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+# Every architecture in every prefill configuration; the compressed weights (int8, int4 with and
+# without zero points, which change the models' weight subgraphs, not their prefill calls) in
+# the bulk configuration, which runs chunk and bulk calls.
+CASES = [(n, c) for n in fixture_names() for c in CONFIGS] + [(n, "bulk") for n in fixtures.COMPRESSED]
+
+
 @pytest.mark.parametrize("backend", ["numpy", "openvino"])
-@pytest.mark.parametrize("name", fixture_names(compressed=True))
+@pytest.mark.parametrize("name, config", CASES)
 def test_static_pipeline_matches_stateful_model(name, config, backend):
     pipe = pipeline(name, config, backend)
     for prompt, ref in zip(prompts(), reference(name)):
