@@ -15,13 +15,15 @@ from kvc.cli.render import echo_json, human_bytes, table
 
 def costs_cache(path: Path, device: str, precision: str) -> Path:
     """Where measured costs are kept: per model files, device, precision, the KV cache's type,
-    the attention's and prefill MLP's forms and OpenVINO version."""
+    the attention's and prefill MLP's forms, the first chunks' rows and OpenVINO version."""
     from kvc.export.compile import auto_cache
     from kvc.export.manifest import openvino_version, source_hashes
+    from kvc.planner import first_rows
 
     cache = auto_cache(device, precision)
     key = json.dumps([source_hashes(path), device, precision, openvino_version(), cache["kv_precision"],
-                      cache["attention"], cache["prefill_mlp"], "first_ms"], sort_keys=True)
+                      cache["attention"], cache["prefill_mlp"], "first_ms", first_rows(device, precision)],
+                     sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -32,6 +34,7 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     from kvc.errors import UsageError
     from kvc.export.compile import auto_cache
     from kvc.export.manifest import source_hashes
+    from kvc.planner import first_rows
 
     t = dict(costs.target)
     if t and "kv_precision" not in t:  # measured before costs recorded it: with an f32 cache
@@ -40,7 +43,10 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
         t["attention"] = "grouped"
     if t and "prefill_mlp" not in t:  # measured before costs recorded it: as exported
         t["prefill_mlp"] = "as-is"
-    expected = (("device", device), ("precision", precision), *auto_cache(device, precision).items())
+    if t and "first_rows" not in t:  # measured before costs recorded it: static
+        t["first_rows"] = "static"
+    expected = (("device", device), ("precision", precision), *auto_cache(device, precision).items(),
+                ("first_rows", first_rows(device, precision)))
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")

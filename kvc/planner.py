@@ -179,7 +179,8 @@ def _interpolate(points: dict, x) -> np.ndarray:
 
 def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=None, repeats: int = 7) -> Costs:
     """Build the model's static prefill at three chunk sizes, with a first chunk of the same
-    rows each (no past), and generate models at three sizes (within the positions it was built
+    rows each (no past; of dynamic rows where `kvc compile` builds one, `first_rows`, timed on
+    that many rows), and generate models at three sizes (within the positions it was built
     for), compile each for `device` as `kvc compile` does, and time its calls: the fastest of
     `repeats` after one warm-up (on a shared machine the other runs measure the neighbours: a
     median once read a 256 step as 36 ms where the pipeline runs it in 21)."""
@@ -203,8 +204,9 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     call_ms, first_ms, step_ms, compile_s, model_bytes = {}, {}, {}, [], []
     for i, chunk in enumerate(chunks):
         chunked = chunk < P
+        rows = first_rows(device, precision) if chunked else "static"
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunked else 0,
-                                prefill_first=(chunk,) if chunked else (),
+                                prefill_first=(chunk,) if chunked else (), prefill_first_rows=rows,
                                 variants=tuple(sizes) if i == 0 else "single", **cache)
         static = build_static(load(path), options, use_env=False)
         names = ["prefill", *([f"first-{chunk}"] if chunked else []),
@@ -219,7 +221,8 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
             request = compiled.create_infer_request()
             inputs = []  # the arrays the request's tensors share: alive until the request is gone
             for port in compiled.inputs:  # set once, as the pipeline binds its buffers: no copy per call
-                value = np.zeros(list(port.get_shape()), array_dtype(port.get_element_type()))
+                shape = [chunk if d.is_dynamic else d.get_length() for d in port.get_partial_shape()]  # dynamic rows
+                value = np.zeros(shape, array_dtype(port.get_element_type()))
                 if port.get_any_name() == "attention_mask":
                     value[..., -1:] = 1
                 inputs.append(value)
@@ -238,9 +241,18 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
-    target = {"device": device, "precision": precision, **cache, "openvino": openvino_version(),
+    target = {"device": device, "precision": precision, **cache, "first_rows": first_rows(device, precision),
+              "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target, first_ms)
+
+
+def first_rows(device: str, precision: str) -> str:
+    """The rows of the first chunks `kvc compile` builds for `device` at `precision` with a
+    chunked prefill (--prefill-first-rows auto): "dynamic" on an f32 CPU, else "static"."""
+    from kvc.export.compile import resolve_first_rows
+
+    return resolve_first_rows("auto", (device,), precision, 1)
 
 
 # -- the model of a request ----------------------------------------------------------------

@@ -304,6 +304,10 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     kv, attention = resolve_kv("auto", ("CPU",), "auto"), resolve_attention("auto", ("CPU",))
     assert (data["target"]["kv_precision"], data["target"]["attention"]) == (kv, attention)  # compile's
     assert data["target"]["prefill_mlp"] == resolve_prefill_mlp("auto", ("CPU",), "auto")
+    from kvc.export.compile import resolve_chunk, resolve_first_rows
+
+    rows = resolve_first_rows("auto", ("CPU",), "auto", resolve_chunk("auto", ("CPU",), "auto"))
+    assert data["target"]["first_rows"] == rows  # first chunks timed as compile builds them here
     second = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs, "--json",
                  "--max-models", "3")
     doc = json.loads(second.stdout)
@@ -311,9 +315,6 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     L = doc["lengths"]
     assert L["max_prompt_len"] >= 90 and L["max_prompt_len"] + L["min_response_len"] >= 99
     assert {b["name"] for b in doc["against"]} == {"single", "pyramid"}
-    from kvc.export.compile import resolve_chunk, resolve_first_rows
-
-    rows = resolve_first_rows("auto", ("CPU",), "auto", resolve_chunk("auto", ("CPU",), "auto"))
     pyramid = next(b for b in doc["against"] if b["name"] == "pyramid")  # the defaults, as kvc compile resolves them
     assert pyramid["prefill_first"] and pyramid.get("prefill_first_rows", "static") == rows
     out = tmp_path / "out"
@@ -344,6 +345,17 @@ def test_kvc_plan_measures_caches_and_compile_uses_the_plan(tmp_path):
     costs.write_text(json.dumps(data))
     assert "attention 'sdpa'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
                                      code=2).output
+    # first chunks timed with other rows than compile builds (static where dynamic, or back): not this target
+    flipped = "static" if rows == "dynamic" else "dynamic"
+    data["target"].update(attention=attention, first_rows=flipped)
+    costs.write_text(json.dumps(data))
+    assert f"first_rows '{flipped}'" in kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
+                                           code=2).output
+    del data["target"]["first_rows"]  # written before costs recorded it: static first chunks
+    costs.write_text(json.dumps(data))
+    legacy = kvc("plan", fixtures.path("llama"), "--workload", requests, "--costs", costs,
+                 code=0 if rows == "static" else 2)
+    assert ("first_rows 'static'" in legacy.output) == (rows == "dynamic")
 
 
 @pytest.mark.parametrize("n,m", [(5, 40), (15, 80), (40, 50), (64, 33)])
