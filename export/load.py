@@ -31,10 +31,10 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in DEVICE_OF_BACKEND.it
 
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
-             sweep: str = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
+             sweep: str | None = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
              widen: bool = False) -> Session:
     """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
-    (`pages_released`: an open's first import as `first_sweep` says, the others "all");
+    (`pages_released`; None: as an open, `_Imports.acquire`);
     `mapped`: weights.bin as `map_weights` mapped it, shared by the models read from their IR;
     `imports`: the blobs this open imported (an If blob, export/branches.py, serves two models)."""
     entry = manifest["models"][name]
@@ -88,11 +88,18 @@ class _Imports:
     def __init__(self, directory: Path, manifest: dict, device: str):
         self.directory, self.manifest, self.device = directory, manifest, device
         self._held: dict[str, _Held] = {}  # by file
+        self._imported = 0  # imports made (`acquire`)
 
-    def acquire(self, name: str, sweep: str) -> ov.CompiledModel:
+    def acquire(self, name: str, sweep: str | None) -> ov.CompiledModel:
+        """The compiled model of `name`'s blob, imported if no session holds it, swept as `sweep`
+        says (`pages_released`); None: as an open sweeps, the first import as `first_sweep`
+        says, the others from the start (export/mapped.py), in the order they happen."""
         blob = self.manifest["models"][name]["blobs"][self.device]
         held = self._held.get(blob["file"])
         if held is None:
+            if sweep is None:
+                sweep = "all" if self._imported else first_sweep(blob.get("import_config", {}))
+            self._imported += 1
             held = self._held[blob["file"]] = _Held(self._import(name, blob, sweep))
         held.holders += 1
         return held.compiled
@@ -197,18 +204,19 @@ def model_session(directory: str | Path, name: str, backend: str = "numpy") -> S
 
 
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
-                  lazy: bool = False, widen: bool = False) -> StaticPipeline:
+                  lazy: bool = False, widen: bool = False, serves: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote. `lazy`: each model is imported
-    when first run and can be released (`LazySession`). `widen`: on the numpy backend, f16 and
-    bf16 computed unrounded at f32 (`kvc.runtime.interpreter.Interpreter`), the cache too."""
+    when first run and can be released (`LazySession`); with `serves`, its imports are paged
+    out as an open's are (below: it keeps them to serve, as `compile_and_open` does). `widen`:
+    on the numpy backend, f16 and bf16 computed unrounded at f32
+    (`kvc.runtime.interpreter.Interpreter`), the cache too."""
     kv_types = {k.element_type for k in plan_of(manifest).kv}
     if backend == "npu" and "bf16" in kv_types:
         raise UsageError(f"{directory} stores its KV cache as bf16 (compiled for CPU at bf16), which the NPU "
                          f"plugin does not take (its requests want f16); compile it again with --kv-precision f16 "
                          f"(or --device CPU,NPU) to run it on the NPU")
 
-    made = []
     # models read from their IR share one mapping of weights.bin (`map_weights`)
     device = DEVICE_OF_BACKEND.get(backend)
     reads_ir = not all(_from_blob(m, backend, from_ir) for m in manifest["models"].values())
@@ -216,14 +224,15 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     imports = _Imports(directory, manifest, device)
 
     def session(name: str):
-        # The first import is swept as `first_sweep` says, the others from the start
-        # (export/mapped.py). A lazy open (the compile's blob check) holds the prefill blobs
-        # alone, then the generate ones, and is not swept: each swept import would read the file
-        # from disk again (the 250M Llama's compile 18.8 -> 16.1 s; its peak 1818 -> 2219 MB,
-        # NPUW_LLM's 2641).
-        entry = manifest["models"][name]["blobs"].get(device, {})
-        sweep = "none" if lazy else "all" if made else first_sweep(entry.get("import_config", {}))
-        made.append(name)
+        # Imports are swept as an open sweeps them (`_Imports.acquire`). A lazy open (the
+        # compile's blob check) holds the prefill blobs alone, then the generate ones, and is not
+        # swept: each swept import would read the file from disk again (the 250M Llama's compile
+        # 18.8 -> 16.1 s; its peak 1818 -> 2219 MB, NPUW_LLM's 2641). One that `serves` holds
+        # the prefill blobs while it imports the generate ones, as an open does, and is swept as
+        # an open is: unswept, the 250M Llama's f32 `compile_and_open` peaked at 3745 MB, the
+        # generate import's read of weights.bin (1 GB) beside the If blob that had run every
+        # body (1.74 GB).
+        sweep = "none" if lazy and not serves else None
         make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports,
                                  widen)
         if lazy:

@@ -334,7 +334,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     from kvc.verify.peer_drift import peer_for
 
     backend = BACKEND_OF_DEVICE[device]
-    pipe = pipeline_from(directory, manifest, backend, lazy=True)
+    pipe = pipeline_from(directory, manifest, backend, lazy=True, serves=keep)
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
     policy = blob_policy(kv_types, selecting, backend, config)
