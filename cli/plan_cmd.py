@@ -130,9 +130,9 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
                f"(max {s['prompt_tokens']['max']}), {s['new_tokens']['mean']:.0f} new (max {s['new_tokens']['max']})")
     rows = []
     for c in (result["plan"], *result["baselines"]):
-        rows.append((c.name, c.prompt, c.response, chunk_label(c.chunk, c.bulk, c.first, c.first_dynamic), ",".join(map(str, c.sizes)),
-                     f"{c.ttft_ms:.1f}", f"{c.decode_ms:.1f}", f"{c.request_ms:.1f}", c.models,
-                     f"{c.compile_s:.1f}", human_bytes(c.model_bytes)))
+        rows.append((c.name, c.prompt, c.response, chunk_label(c.chunk, c.bulk, c.first, c.first_dynamic),
+                     ",".join(map(str, c.sizes)), f"{c.ttft_ms:.1f}", f"{c.decode_ms:.1f}", f"{c.request_ms:.1f}",
+                     c.models, f"{c.compile_s:.1f}", human_bytes(c.model_bytes)))
     click.echo(table(["", "P", "R", "chunk", "variants", "TTFT ms", "decode ms", "request ms", "models",
                       "compile s", "memory"], rows))
     best = result["plan"]

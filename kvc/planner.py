@@ -315,7 +315,7 @@ def prefill_ms(workload: Workload, costs: Costs, P: int, chunk: int, bulk: tuple
     """Mean prefill time: the calls the runtime makes for each prompt (`prefill_calls`), a
     first chunk's at its own cost (`Costs.first`): F rows, or with `dynamic` rows the rows the
     call computes (a first chunk of dynamic rows takes a prompt's first 1 to F tokens
-    unpadded; its cost is interpolated from the static first chunks `measure_costs` times)."""
+    unpadded; its cost is interpolated from the first chunks `measure_costs` times)."""
     from kvc.runtime.static_pipeline import prefill_calls
 
     if not chunk or chunk >= P:
