@@ -312,9 +312,9 @@ def compile_and_open(model_path: str | Path, out: str | Path, options: CompileOp
     `open_compiled(out, backend)` (OpenVINO CPU for "CPU", the NPU plugin for "NPU"), without
     the open's time (on the 250M Llama about 2.5 s less than `kvc compile` and an open;
     docs/benchmarks.md has the figures). The check then holds that device's prefill blobs
-    while it imports its generate blobs, as an open does, and sweeps its imports as an open
-    does (`pipeline_from(serves=True)`): its peak is above `kvc compile`'s (the 250M Llama at
-    f32: 2691-2776 MB against 2630, NPUW_LLM's compile 2641; unswept, 3745-3807)."""
+    while it imports its generate blobs, as an open does, and on the CPU sweeps its imports as
+    an open does (`check_blobs`): its peak is above `kvc compile`'s (the 250M Llama at f32:
+    2691-2776 MB against 2630, NPUW_LLM's compile 2641; unswept, 3745-3807)."""
     device = device or options.devices[0]
     if device not in options.devices:
         raise UsageError(f"cannot open the pipeline on {device}: the compile is for {', '.join(options.devices)}")

@@ -1197,10 +1197,10 @@ def test_compile_and_open_serves_the_checked_blobs_without_importing_them_again(
     from kvc.export.compile import compile_and_open, compile_static
     from kvc.export.load import _Imports
 
-    imported = []
+    imported, sweeps = [], []
     real = _Imports._import
     monkeypatch.setattr(_Imports, "_import", lambda self, name, blob, sweep: imported.append(blob["file"]) or
-                        real(self, name, blob, sweep))
+                        sweeps.append(sweep) or real(self, name, blob, sweep))
     out = tmp_path / "out"
     # bf16's chunks (first 16 and 128, 16, a bulk 128) whatever the host computes by default
     options = CompileOptions(compile_static(precision="bf16", max_prompt_len=320, min_response_len=64, variants=(128,)),
@@ -1208,6 +1208,9 @@ def test_compile_and_open_serves_the_checked_blobs_without_importing_them_again(
     manifest, pipe = compile_and_open(fixtures.path("llama"), out, options)
     files = {m["blobs"]["CPU"]["file"] for m in manifest["models"].values()}
     assert sorted(imported) == sorted(files) and len(files) == 1 + 2  # the If blob, two generate variants
+    # kept to serve, swept as an open sweeps (the If blob at bf16: behind its packing; then from the start)
+    if_blob = next(m["blobs"]["CPU"]["file"] for m in manifest["models"].values() if "branches" in m["blobs"]["CPU"])
+    assert imported[0] == if_blob and sweeps == ["behind", "all", "all"]
     assert set(manifest["models"]) == {"prefill", "prefill-128", "first-16", "first-128", "generate-128", "generate-448"}
     assert manifest == read_manifest(out) and not list(tmp_path.glob(".out.partial-*"))
     opened, variants = open_compiled(out, "openvino"), set()
