@@ -522,6 +522,21 @@ def test_installed_console_script_compile_run_verify(tmp_path):
     assert "verification: OK" in sh("verify", out, "--backends", "numpy,openvino", "--max-new-tokens", "8")
 
 
+def test_version_is_the_installed_packages():
+    import importlib.metadata
+
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and result.output == f"kvc, version {importlib.metadata.version('kvc')}\n"
+
+
+def test_the_command_line_starts_without_networkx():
+    """Every kvc invocation imports the CLI and kvc.ir; networkx (0.26 s of a 0.7 s start) is
+    imported only by what uses it, `kvc.ir.graph` and the report (the hostile corpus alone
+    runs kvc 139 times)."""
+    code = "import sys, kvc.cli.main, kvc.ir; print('networkx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_compile_debug_rules_prints_matches_and_misses(tmp_path):
     result = kvc("compile", fixtures.path("mistral"), "-o", tmp_path / "out", *SMALL, "--no-verify", "--debug-rules")
     assert "// rule mask-positions/index-compare: 2 match(es)" in result.output
