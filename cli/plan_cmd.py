@@ -107,12 +107,13 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         costs = measure_costs(path, device, inference_precision, progress=progress)
         write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
         progress(f"costs measured and written to {target}")
-    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first, resolve_first_rows
+    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first
     from kvc.ir.reader import resolve
+    from kvc.planner import first_rows as default_rows
 
     # as kvc compile resolves its defaults (--prefill-first-rows auto: dynamic on an f32 CPU)
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    first_rows = resolve_first_rows("auto", (device,), inference_precision, default_chunk)
+    first_rows = default_rows(device, inference_precision)
     default_first = resolve_first("auto", (device,), default_chunk, first_rows)
     stated = model_max_positions(resolve(path).root)
     result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device,

@@ -248,11 +248,12 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
 
 
 def first_rows(device: str, precision: str) -> str:
-    """The rows of the first chunks `kvc compile` builds for `device` at `precision` with a
-    chunked prefill (--prefill-first-rows auto): "dynamic" on an f32 CPU, else "static"."""
-    from kvc.export.compile import resolve_first_rows
+    """The rows of the first chunks `kvc compile` builds for `device` at `precision` with its
+    defaults (--prefill-chunk-size and --prefill-first-rows auto): "dynamic" on an f32 CPU,
+    else "static"."""
+    from kvc.export.compile import resolve_chunk, resolve_first_rows
 
-    return resolve_first_rows("auto", (device,), precision, 1)
+    return resolve_first_rows("auto", (device,), precision, resolve_chunk("auto", (device,), precision))
 
 
 # -- the model of a request ----------------------------------------------------------------
