@@ -46,6 +46,14 @@ def fixture_names(compressed: bool = False) -> list[str]:
     return list(fixtures.MODELS) + (list(fixtures.COMPRESSED) if compressed else [])
 
 
+# One compressed fixture per weight format (int8, int4 grouped symmetric, int4 channel-wise with
+# zero points), each on another of the three compressed bases: for tests of what the weights'
+# subgraphs do not change (the KV cache's type, the If blob's selection), where all nine took
+# 4-5 s each. All nine still run the goldens, the compile with its blob check, the static
+# pipeline and the NPU plugin's paths.
+COMPRESSED_FORMATS = ("llama_int8", "phi_int4_sym_g16", "granitemoe_int4_asym_cw")
+
+
 @pytest.fixture(params=fixture_names(), ids=str)
 def fixture_name(request) -> str:
     return request.param

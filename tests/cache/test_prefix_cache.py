@@ -1,7 +1,7 @@
 """Prefix caching and chat sessions give the tokens the pipeline gives without them.
 
-Every fixture, on every backend (kvc's numpy interpreter, OpenVINO CPU, the NPU plugin on its
-CPU backend), replays one workload with a three-block cache: the hits it must produce are a
+Every fixture on kvc's numpy interpreter and OpenVINO CPU, and one of each attention kind on the
+NPU plugin (its CPU backend), replays one workload with a three-block cache: the hits it must produce are a
 hit after part of a chain was evicted, a hit that ends exactly at a chunk boundary, and a hit
 on a whole cached prompt (which restores all but the last block: the last token is computed).
 """
@@ -44,10 +44,16 @@ def plain_runs(name: str, backend: str):
     return [pipe.generate(prompt, NEW) for _, prompt, _ in workload()]
 
 
-# Every architecture on every backend; the compressed weights (which change the models' weight
-# subgraphs, not what the cache restores) on OpenVINO CPU.
-@pytest.mark.parametrize("name, backend", [(n, b) for n in fixture_names() for b in ("numpy", "openvino", "npu")]
-                         + [(n, "openvino") for n in fixtures.COMPRESSED])
+# Every architecture on kvc's runtime and OpenVINO CPU; on the NPU plugin (whose sessions take
+# and give the same KV tensors whatever the model) one of each attention kind: GQA with RoPE,
+# MHA with learned positions, MQA, ALiBi, a sliding window, MoE, sinks with a window; the
+# compressed weights (which change the models' weight subgraphs, not what the cache restores) on
+# OpenVINO CPU.
+NPU_SAMPLE = ("llama", "gpt2", "gpt_bigcode", "bloom", "mistral", "granitemoe", "gpt_oss")
+
+
+@pytest.mark.parametrize("name, backend", [(n, b) for n in fixture_names() for b in ("numpy", "openvino")]
+                         + [(n, "npu") for n in NPU_SAMPLE] + [(n, "openvino") for n in fixtures.COMPRESSED])
 def test_prefix_cache_gives_the_tokens_of_no_cache(name, backend):
     """The restored blocks were computed by the same chunks a run without the cache computes,
     so the logits are not merely close: they are the same numbers."""

@@ -21,7 +21,7 @@ from kvc.ir.reader import load
 from kvc.plan import StaticOptions
 from kvc.runtime.session import OpenVINOSession
 from tests.cli.runner import kvc
-from tests.conftest import fixture_names
+from tests.conftest import COMPRESSED_FORMATS, fixture_names
 
 CHUNKED = StaticOptions(max_prompt_len=64, min_response_len=64, prefill_chunk_size=(16, 32), prefill_first=(16, 32))
 GROUP = ["prefill", "prefill-32", "first-32", "first-16"]
@@ -248,9 +248,9 @@ def test_a_manifest_that_reordered_the_branches_is_refused_at_import(paired, tmp
     assert "kvc.select.0.prefill-32" in result.output
 
 
-@pytest.mark.parametrize("name", fixture_names(compressed=True))
+@pytest.mark.parametrize("name", fixture_names() + list(COMPRESSED_FORMATS))
 def test_every_fixture_runs_its_goldens_through_the_if_blob(name, tmp_path):
-    """Across the zoo and its compressed weights (int8, int4 with and without zero points), at
+    """Across the zoo and each compressed weight format (int8, int4 with and without zero points), at
     exact f32 the If blob's branches reproduce the stateful model's goldens (the 6-token prompt
     is one first-16 call, the 17-token one a first-32 call, the 54-token one first-32 then the
     bulk chunk; the chunk runs where a call ends off the bulk chunk's rows)."""

@@ -12,6 +12,7 @@ from kvc import fixtures
 from kvc.passes import Instrumentation, PassManager, parse_pipeline
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
+from tests.conftest import fixture_names
 from tests.passes.models import kv_model
 
 ATOL = 1e-4
@@ -25,8 +26,20 @@ def op_count(model, op):
     return sum(n.get_type_name() == op for n in model.get_ordered_ops())
 
 
-@pytest.mark.parametrize("spec", ["fuse-kvcache", "lift-state,fuse-kvcache"])
-@pytest.mark.parametrize("backend", ["numpy", "openvino"])
+# Every architecture in two forms; the other forms on one of each attention kind (GQA with RoPE,
+# MHA with learned positions, ALiBi, MQA, MoE): what differs between forms is the beam handling
+# and the backend, not the pattern each architecture's cache update must match (all of them
+# took 150 s of the suite).
+SAMPLE = ("llama", "gpt2", "bloom", "gpt_bigcode", "granitemoe")
+
+
+def every_fixture_in(forms, other_forms) -> list:
+    return [(n, *f) for n in fixture_names() for f in forms] + [(n, *f) for n in SAMPLE for f in other_forms]
+
+
+@pytest.mark.parametrize("fixture_name, spec, backend", every_fixture_in(
+    [("lift-state,fuse-kvcache", "numpy"), ("fuse-kvcache", "openvino")],
+    [("fuse-kvcache", "numpy"), ("lift-state,fuse-kvcache", "openvino")]))
 def test_fused_model_gives_the_same_outputs(fixture_name, spec, backend):
     golden = fixtures.goldens(fixture_name)
     fused = apply(ir.load(fixtures.path(fixture_name)), spec)
@@ -43,8 +56,8 @@ def prompt_logits(name, prompt):
     return fixtures.golden_logits(name, prompt["name"], "openvino")
 
 
-@pytest.mark.parametrize("beam", ["gather", "indirect"])
-@pytest.mark.parametrize("lifted", [False, True], ids=["stateful", "lifted"])
+@pytest.mark.parametrize("fixture_name, beam, lifted", every_fixture_in(
+    [("gather", False), ("indirect", True)], [("indirect", False), ("gather", True)]))
 def test_fuse_then_lower_is_bit_identical_on_numpy(fixture_name, beam, lifted):
     prefix = "lift-state{beam=keep}," if lifted else ""
     original = open_session(apply(ir.load(fixtures.path(fixture_name)), prefix.rstrip(",") or "lift-state{beam=keep}")
