@@ -17,10 +17,12 @@ The policy, in order:
    arithmetic is below f32, `nrmse_limit`) over the steps that share a context, and a token
    may differ only where rounding can explain it: the reference's margin between its token
    and the one chosen instead must be below twice the
-   *noise* of this run, the largest logit error measured before the divergence (every logit
-   of the earlier steps, and every logit of the divergent step except the two tokens that
-   swapped). The two swapped tokens are left out because a flip forces an error of at least
-   half the margin on one of them: counting them would let any flip explain itself. Where a
+   *noise* of this run, the largest logit error measured up to the divergence on every token
+   but the two that swapped. Those two are left out at every step, not only at the divergent
+   one: a flip forces an error of at least half the margin on one of them, and a fault in one
+   token's logit (a wrong lm_head row or output channel) shows that error at every step, so
+   counting them anywhere would let the flip explain itself (a logit 40 too high at the
+   earlier steps excused a flip at margin 30 on the NPU's bounds). Where a
    run that does not depend on this one measured the arithmetic's own noise (the plugin's run
    of the source, `kvc.verify.peer_drift`), the noise is capped by it: a faulty run's error
    would otherwise excuse the flips it causes. Every allowed divergence is reported with its
@@ -274,7 +276,7 @@ class Comparison:
     first_divergent_token: int | None
     steps: int
     margin_at_divergence: float | None = None  # reference: its token's logit minus the chosen one's
-    noise: float | None = None  # largest logit error before the divergence (module docstring)
+    noise: float | None = None  # largest logit error up to the divergence, but the swapped pair's (module docstring)
     nonfinite: str | None = None
     bound: float = F32_ATOL  # what an exact path's max_abs may reach here (logit_bound of the reference)
     step_error: float = 0.0  # the worst step's `step_error` (the divergent step without its two swapped tokens)
@@ -298,9 +300,8 @@ def compare_generations(ref, actual) -> Comparison:
     if div is not None and div < steps and div < len(actual.tokens):
         mine, theirs = ref.tokens[div], actual.tokens[div]
         m = float(r[div, mine] - r[div, theirs])
-        error = np.abs(r - a)
-        error[div, [mine, theirs]] = 0.0
-        error = error[: div + 1]
+        error = np.abs(r - a)[: div + 1]
+        error[:, [mine, theirs]] = 0.0
         noise = float(np.max(error[np.isfinite(error)], initial=0.0))
     errors = [step_error(r[i], a[i], (ref.tokens[div], actual.tokens[div]) if i == div and m is not None else ())
               for i in range(steps)]

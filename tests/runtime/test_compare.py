@@ -279,3 +279,25 @@ def test_small_logits_get_an_exact_bound_their_size():
         assert judge(scaled, off).ok == ok
     assert logit_bound(np.array([0.2])) == pytest.approx(1e-4 * 0.2 + 1e-5 * 0.2)
     assert logit_bound(np.array([20.0])) == f32_bound(np.array([20.0]))
+
+
+def test_one_wrong_logit_at_every_step_cannot_excuse_its_own_flip():
+    """A fault in one token's logit (a wrong lm_head row) is there at every step: counted as
+    noise at the earlier steps, it excused the flip it causes at margin 30 on the NPU's bounds.
+    The swapped pair is left out of the noise at every step."""
+    rng = np.random.default_rng(0)
+    vocab, a, b = 32000, 7, 11
+    ref_logits = [rng.normal(0, 3, vocab) for _ in range(3)]
+    for step, row in enumerate(ref_logits):
+        row[a] = row.max() + 30.0
+        row[b] = row[a] - (30.0 if step == 2 else 45.0)  # b is 30 below a at step 2
+    got_logits = [row.copy() for row in ref_logits]
+    for row in got_logits:
+        row[b] += 40.0  # one wrong output row: b's logit 40 too high at every step
+    ref = Generation([1], [int(np.argmax(r)) for r in ref_logits], ref_logits)
+    got = Generation([1], [int(np.argmax(r)) for r in got_logits], got_logits)
+    assert ref.tokens == [a, a, a] and got.tokens == [a, a, b]
+    npu = {"kv": ["f16"], "selects": False, "backend": "npu", "config": {}}
+    v = judge(ref, got, reduced=True, limit=nrmse_limit(*npu.values()), step_bound=step_limit(*npu.values()))
+    assert not v.ok and "not below twice the logit noise" in v.reason, v.reason
+    assert v.comparison.noise == 0.0  # nothing else differs
