@@ -39,6 +39,7 @@ from kvc.export.mapped import pages_released, trim_heap
 from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
                                  source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
+from kvc.ir.finite import check_no_nan_weights
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
@@ -519,6 +520,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
     progress("running passes: " + format_pipeline(common_passes(options.static)) + ", then one branch per static model")
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
+        check_no_nan_weights(model, str(resolve(model_path).model))
         _require_kv_cache(model, resolve(model_path).model)
         beyond = _beyond_max_positions(stated, options.static)
         if beyond:

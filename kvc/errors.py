@@ -83,3 +83,10 @@ def openvino_reason(exc: BaseException) -> str:
     headers around the actual message, which comes last."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
     return lines[-1] if lines else type(exc).__name__
+
+
+class ComputeError(KvcError):
+    """A model computed what no token can be chosen from (a NaN or +Inf logit, or every logit
+    -Inf): nothing is output from it."""
+
+    exit_code = 8

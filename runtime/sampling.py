@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvc.errors import UsageError
+from kvc.errors import ComputeError, UsageError
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: frozenset[int] = field(default_factory=frozenset)  # generation ends after one of these
+    finite: bool = True  # refuse logits no token can come from (`choosable`); False: `JUDGED`
 
     def __post_init__(self) -> None:
         if not (0 <= self.temperature < float("inf")):
@@ -39,17 +40,35 @@ class Sampling:
         return self.temperature == 0
 
     def chooser(self):
-        """A function from a step's logits [V] to the next token id."""
+        """A function from a step's logits [V] to the next token id; it refuses logits no token
+        can come from (`choosable`). Greedy takes the first of equal maxima."""
+        check = choosable if self.finite else (lambda logits: logits)
         if self.greedy:
-            return lambda logits: int(np.argmax(logits))
+            return lambda logits: int(np.argmax(check(logits)))
         rng = np.random.default_rng(self.seed)
-        return lambda logits: sample(logits, self, rng)
+        return lambda logits: sample(check(logits), self, rng)
+
+
+# Greedy without the finiteness check: for the runs a judge compares (kvc.runtime.compare),
+# which reports a non-finite logit as a mismatch, with where it is, instead of stopping there.
+JUDGED = Sampling(finite=False)
+
+
+def choosable(logits: np.ndarray) -> np.ndarray:
+    """`logits`, checked: a NaN or +Inf anywhere, or no finite logit, is a `ComputeError`. A
+    NaN is not an answer: argmax would return its index (or the next one's) as a token, and
+    a model with a NaN weight printed tokens from it with exit 0. -Inf (a masked token) is
+    allowed. One max over the row (a NaN propagates through it): ~10 us for 32000 logits."""
+    top = np.max(logits)
+    if not np.isfinite(top):
+        what = ("NaN" if np.isnan(top) else "+Inf") if top != -np.inf else "no finite logit (every one is -Inf)"
+        raise ComputeError(f"the model computed {what} in the logits a token is chosen from: no token is output "
+                           f"from them (`kvc verify OUT` checks the compiled models against their source)")
+    return logits
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     x = np.asarray(logits, dtype=np.float64) / s.temperature
-    if not np.isfinite(x).any():
-        raise UsageError("cannot sample: every logit is NaN or -inf")
     order = np.argsort(-x, kind="stable")
     if s.top_k:
         order = order[:s.top_k]

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kvc.export.build import StaticModels
+from kvc.runtime.sampling import JUDGED
+
 
 class Probe(NamedTuple):
     """A compile probe: the prompt, how many tokens to generate, the generate variant to start
@@ -25,7 +27,8 @@ def run_probe(pipe, probe: Probe):
     """A probe through a static pipeline (any backend): its StaticGeneration."""
     if probe.decode:
         return pipe.decode_prompt(probe.prompt, probe.new_tokens, variant=probe.start, origin=probe.origin)
-    return pipe.generate(probe.prompt, probe.new_tokens, start_variant=probe.start, origin=probe.origin)
+    return pipe.generate(probe.prompt, probe.new_tokens, start_variant=probe.start, origin=probe.origin,
+                         sampling=JUDGED)
 
 
 BULK_TOKENS = 2
@@ -370,7 +373,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             run, kv = done
             pipe.clear_from(0)
             pipe.restore_rows(kv, probe.origin)
-            got = pipe.decode_from(run, start_variant=probe.start)
+            got = pipe.decode_from(run, start_variant=probe.start, sampling=JUDGED)
         if on_step is not None:
             on_step(len(cases) + i + 1, steps)
         row = {"device": device, **probe_row(probe), "variants": sorted(set(got.variants))}

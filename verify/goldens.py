@@ -21,6 +21,7 @@ from kvc.export.load import backend_config, open_compiled, pipeline_from
 from kvc.export.manifest import check_files, openvino_version, read_manifest
 from kvc.ir.writer import write_bytes_atomic
 from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
+from kvc.runtime.sampling import JUDGED
 from kvc.runtime.static_pipeline import max_new_tokens
 
 TOP = 5
@@ -32,7 +33,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
     entries = []
     for prompt in prompts:
         n = min(new_tokens, max_new_tokens(pipe.lengths, len(prompt)))
-        gen = pipe.generate(prompt, n)
+        gen = pipe.generate(prompt, n, sampling=JUDGED)
         if count_nonfinite(gen.logits):
             raise VerificationError(f"{directory} on {backend}, prompt of {len(prompt)} tokens: non-finite logits; "
                                     f"refusing to record them as goldens")
@@ -120,7 +121,7 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False)
     pipe = pipeline_from(Path(directory), manifest, backend, from_ir=from_ir)
     rows = []
     for i, entry in enumerate(data["prompts"]):
-        gen = pipe.generate(entry["ids"], len(entry["tokens"]))
+        gen = pipe.generate(entry["ids"], len(entry["tokens"]), sampling=JUDGED)
         rows.append({"prompt": i, "prompt_tokens": len(entry["ids"]), **judge_entry(entry, gen.tokens, gen.logits, atol)})
     return {"goldens": str(path), "backend": backend, "recorded_with": data["openvino_version"],
             "ok": all(r["ok"] for r in rows), "results": rows}

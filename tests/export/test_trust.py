@@ -96,7 +96,10 @@ def test_nan_weights_behind_a_consistent_manifest_fail_verification(compiled):
         f.seek(offset)
         f.write(np.full(size // 4, np.nan, np.float32).tobytes())
     rehash(compiled)
-    run(compiled, "--check")  # the hashes agree: only the numbers can tell
+    # The hashes agree: only the numbers can tell. No token is printed from NaN logits.
+    for backend in ("numpy", "openvino"):
+        out = kvc("run", compiled, "--check", "--prompt-ids", "1,2,3", "--backend", backend, code=8).output
+        assert "computed NaN in the logits" in out and "Traceback" not in out and "generated" not in out
     for backend in ("numpy", "openvino"):
         result = kvc("verify", compiled, "--backends", backend, "--max-new-tokens", "4", code=4)
         assert "verification: MISMATCH" in result.output and "non-finite" in result.output
@@ -350,3 +353,19 @@ def test_a_manifest_from_before_bulk_chunks_still_opens(source, tmp_path):
     assert m["plan"]["lengths"].pop("prefill_first_chunks") == []
     (compiled / MANIFEST).write_text(dumps(m))
     assert "generated (4 tokens)" in run(compiled).output
+
+
+def test_a_source_with_a_nan_weight_is_refused_before_anything_is_written(source, tmp_path):
+    """One NaN in an embedding row no probe token selects verified OK and served tokens chosen
+    from NaN; the compile now refuses the source, naming the constant."""
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    xml = (src / "openvino_model.xml").read_text()
+    found = re.search(r'name="self\.model\.embed_tokens\.weight" type="Const".*?offset="(\d+)"', xml, re.S)
+    with open(src / "openvino_model.bin", "r+b") as f:
+        f.seek(int(found[1]) + 4 * (300 * 64 + 5))  # row 300, column 5 (rows of 64)
+        f.write(np.float32(np.nan).tobytes())
+    out = tmp_path / "out"
+    result = kvc("compile", src, "-o", out, *SMALL, code=3)
+    assert "[nan-weights]" in result.output and "self.model.embed_tokens.weight" in result.output
+    assert "found 1 NaN of" in result.output and not out.exists()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvc.cli.run_cmd import printable
-from kvc.errors import UsageError
-from kvc.runtime.sampling import Sampling, eos_ids, sample
+from kvc.errors import ComputeError, UsageError
+from kvc.runtime.sampling import JUDGED, Sampling, eos_ids, sample
 from tests.cli.runner import kvc
 from tests.runtime.test_static_pipeline import pipeline
 
@@ -95,3 +95,25 @@ def test_kvc_run_stops_at_eos_samples_and_streams(out):
     assert streamed.split("\nopenvino: ")[0] == printable(plain["text"])
     assert "TTFT" in streamed.splitlines()[-1] and "prompt (" not in streamed
     assert "--stream prints text" in kvc("run", out, "--prompt-ids", ids, "--stream", code=2).output
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, seed=1)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("bad, what", [(np.nan, "NaN"), (np.inf, "[+]Inf")])
+def test_no_token_is_chosen_from_nan_or_inf_logits(sampling, bad, what):
+    """argmax returned a NaN's index as a token (a model with a NaN weight printed tokens with
+    exit 0): a NaN or +Inf anywhere in the row, or no finite logit, stops the generation."""
+    choose = sampling.chooser()
+    logits = np.array([0.5, 3.0, -np.inf, 1.0], np.float32)
+    assert choose(logits) in (0, 1, 3)  # a masked token (-Inf) is fine
+    logits[3] = bad
+    with pytest.raises(ComputeError, match=what):
+        choose(logits)
+    with pytest.raises(ComputeError, match="every one is -Inf"):
+        choose(np.full(4, -np.inf, np.float32))
+    assert ComputeError.exit_code == 8
+
+
+def test_judged_runs_leave_non_finite_logits_to_the_judge():
+    """The verification's runs (`JUDGED`) report a NaN as a mismatch with where it is, so their
+    greedy choice does not stop at it."""
+    assert JUDGED.chooser()(np.array([0.0, np.nan, 1.0])) == 1
