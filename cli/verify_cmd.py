@@ -23,7 +23,9 @@ def _backends(text: str) -> tuple[str, ...]:
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", type=click.Path(exists=True, path_type=Path), default=None,
               help="The original model (default: the source recorded in the manifest).")
-@click.option("--backends", default="numpy,openvino", show_default=True, help="Comma-separated: numpy,openvino,npu.")
+@click.option("--backends", default=None,
+              help="Comma-separated: numpy,openvino,npu. Default: numpy,openvino; with --goldens, the backend "
+                   "they were recorded on; with --record, numpy.")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON list of token-id lists (default: prompts of 1, P/2 and P tokens).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
@@ -46,14 +48,17 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
     from kvc.verify import goldens as golden_files
     from kvc.verify.compiled import verify_compiled
 
-    backend_list = _backends(backends)
     prompts = load_prompts(prompts_file) if prompts_file else None
     if goldens is not None:
-        report = golden_files.check(out, goldens, backend=backend_list[0], from_ir=from_ir)
-        _finish(report, as_json, ["prompt", "tokens", "first divergent", "max logit drift", "result"],
-                lambda r: (r["prompt"], r["prompt_tokens"], _dash(r["first_divergent_token"]),
+        # Each listed backend, else the one the goldens were recorded on (blobs recorded on
+        # openvino were checked on numpy's IR run, which a bad blob does not change).
+        report = golden_files.check_backends(out, goldens, _backends(backends) if backends else None,
+                                             from_ir=from_ir)
+        _finish(report, as_json, ["backend", "prompt", "tokens", "first divergent", "max logit drift", "result"],
+                lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], _dash(r["first_divergent_token"]),
                            f"{r['max_logit_drift']:.2g}", r["reason"]))
         return
+    backend_list = _backends(backends or "numpy,openvino")
     if record is not None:
         if prompts is None:
             from kvc.export.manifest import plan_of, read_manifest

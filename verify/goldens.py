@@ -76,9 +76,15 @@ def load_goldens(path) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InvalidModelError("bad-goldens", str(path), f"cannot read goldens: {exc}") from None
-    if data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InvalidModelError("bad-goldens", str(path), "not a kvc goldens file",
-                                expected=FORMAT, found=str(data.get("format")))
+                                expected=FORMAT, found=str(data.get("format") if isinstance(data, dict) else data)[:80])
+    if not isinstance(data.get("prompts"), list) or not data["prompts"]:
+        raise InvalidModelError("bad-goldens", str(path), "the goldens hold no prompt: a check of nothing is not OK",
+                                expected="at least one recorded prompt", found=str(data.get("prompts"))[:80])
+    if data.get("backend") not in ("numpy", "openvino", "npu"):
+        raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which backend recorded them",
+                                expected="numpy, openvino or npu", found=str(data.get("backend"))[:80])
     return data
 
 
@@ -110,6 +116,15 @@ def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
               else changed if div is not None else "matches")
     return {"ok": ok, "first_divergent_token": div, "near_tie": near_tie is not None, "max_logit_drift": drift,
             "reason": reason}
+
+
+def check_backends(directory, path, backends=None, *, from_ir: bool = False) -> dict:
+    """`check` on each of `backends` (None: the one the goldens were recorded on), one report:
+    every row names its backend, and it is OK when every backend's is."""
+    reports = [check(directory, path, backend=b, from_ir=from_ir) for b in backends or (None,)]
+    rows = [{"backend": r["backend"], **row} for r in reports for row in r["results"]]
+    return {**reports[0], "backend": ",".join(r["backend"] for r in reports), "ok": all(r["ok"] for r in reports),
+            "results": rows}
 
 
 def check(directory, path, *, backend: str | None = None, from_ir: bool = False) -> dict:

@@ -315,6 +315,31 @@ def test_goldens_record_and_check(compiled, tmp_path):
     assert "token 3 changed" in result.output
 
 
+def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_path):
+    """Goldens recorded from the blobs were checked on numpy's IR run (the first of the
+    default --backends), which a bad blob does not change: without --backends they are checked
+    where they were recorded; with it, on each backend listed. A goldens file holding no
+    prompt, or not saying which backend recorded it, is refused."""
+    goldens = tmp_path / "goldens.json"
+    kvc("verify", compiled, "--record", goldens, "--backends", "openvino", "--max-new-tokens", "4")
+    report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--json").stdout)
+    assert {r["backend"] for r in report["results"]} == {"openvino"} and report["ok"]
+    report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy,openvino", "--json").stdout)
+    assert [r["backend"] for r in report["results"]].count("numpy") == len(report["results"]) // 2
+    assert report["backend"] == "numpy,openvino"
+    data = json.loads(goldens.read_text())
+    for damage, message in ((lambda d: d.update(prompts=[]), "hold no prompt"),
+                            (lambda d: d.pop("backend"), "which backend recorded them"),
+                            (lambda d: d.update(prompts="x"), "hold no prompt")):
+        bad = json.loads(json.dumps(data))
+        damage(bad)
+        goldens.write_text(json.dumps(bad))
+        out = kvc("verify", compiled, "--goldens", goldens, code=3).output
+        assert message in out and "[bad-goldens]" in out and str(goldens) in out
+    goldens.write_text("[]")
+    assert "not a kvc goldens file" in kvc("verify", compiled, "--goldens", goldens, code=3).output
+
+
 def test_goldens_accept_a_changed_token_only_at_a_near_tie():
     """A token may change where the recorded top two are within twice the drift bound (each
     may drift by it) and the logits up to it stay within the bound; at a larger margin, to a
