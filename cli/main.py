@@ -2,13 +2,14 @@
 
 Commands parse their options, call `kvc.*`, and render. Expected failures are `KvcError`s:
 they print one clear message and exit with the error's code (README, "Exit codes"); only
-`--debug` shows a traceback. Ctrl-C exits 130 ("kvc: interrupted"); anything else is an
-internal error (exit 1).
+`--debug` shows a traceback. Ctrl-C exits 130 ("kvc: interrupted"), SIGTERM 143 and SIGHUP
+129, each after undoing what was half-written; anything else is an internal error (exit 1).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -19,6 +20,23 @@ from kvc.errors import KvcError
 
 INTERNAL_ERROR = 1
 INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
+# SIGTERM (a CI timeout, systemd, `docker stop`, `kill`) and SIGHUP (the terminal closed) stop
+# kvc as Ctrl-C does, undoing what was half-written, and exit 128 + the signal's number.
+STOPPING = {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+STOPPED = {INTERRUPTED} | {128 + int(s) for s in STOPPING}
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread where Ctrl-C raises KeyboardInterrupt, so
+    that the same unwinding runs (a compile's unpublished output removed, its child killed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signum)
 
 
 class KvcGroup(click.Group):
@@ -29,9 +47,11 @@ class KvcGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
-        except KeyboardInterrupt:  # Ctrl-C: not a bug; what was being written is already removed
-            click.echo("kvc: interrupted", err=True)
-            ctx.exit(INTERRUPTED)
+        except KeyboardInterrupt as exc:  # Ctrl-C: not a bug; what was being written is already removed
+            signum = getattr(exc, "signum", None)
+            click.echo(f"kvc: {STOPPING[signum]} ({signal.Signals(signum).name})" if signum else "kvc: interrupted",
+                       err=True)
+            ctx.exit(128 + signum if signum else INTERRUPTED)
         except BrokenPipeError:  # `kvc ... | head`: the reader left; that is not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)
@@ -85,13 +105,15 @@ def main() -> None:
     workers), and the interpreter's normal exit then destroyed C++ objects under them: about
     one Ctrl-C in fifteen at the start of the device compiles ended in "terminate called
     without an active exception" (SIGABRT) after "kvc: interrupted", not exit 130."""
+    for signum in STOPPING:
+        signal.signal(signum, _stop)
     try:
         cli(prog_name="kvc")
     except SystemExit as exc:
-        if exc.code == INTERRUPTED:
+        if exc.code in STOPPED:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(INTERRUPTED)
+            os._exit(exc.code)
         raise
 
 

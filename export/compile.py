@@ -327,6 +327,8 @@ def _compile(model_path: Path, out: Path, options: CompileOptions, progress, ser
     for device in options.devices:
         device_config(device, for_export=True, precision=options.inference_precision)
     check_kv(options.static.kv_precision, options.devices)
+    out = Path(os.path.abspath(out))  # "-o ." has no name to put the work directory beside
+    _check_out(model_path, out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -360,6 +362,33 @@ def _compile(model_path: Path, out: Path, options: CompileOptions, progress, ser
     finally:
         if work.exists():
             shutil.rmtree(work)
+
+
+def _check_out(model_path: Path, out: Path) -> None:
+    """What `--force` may replace: OUT is replaced whole, and it deleted the model it had just
+    compiled (`-o` the model's directory or a parent), so OUT must not be or hold the source,
+    nor be a file, nor the working directory or a parent of it (the caller's shell would be
+    left in a deleted directory)."""
+    source = Path(os.path.realpath(model_path))
+    for target in {out, Path(os.path.realpath(out))}:
+        if target == source or target in source.parents:
+            raise UsageError(f"{out} holds the source model {model_path}: compiling into it would replace the "
+                             f"model with its compile; choose another -o")
+    if out.is_file():
+        raise UsageError(f"{out} is a file: kvc compile writes a directory; choose another -o")
+    cwd = Path.cwd()
+    if out.exists() and (cwd == Path(os.path.realpath(out)) or Path(os.path.realpath(out)) in cwd.parents):
+        raise UsageError(f"{out} is the working directory or holds it: replacing it would leave this shell in a "
+                         f"deleted directory; choose another -o")
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory kvc wrote or replaced, or a symlink that stood at OUT (the link, not
+    what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 _CANNOT_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # (permissions fail at temp_dir)
@@ -397,7 +426,7 @@ def _publish(work: Path, out: Path, force: bool) -> None:
                          f"and this compile's output discarded") from None
     fsync_dir(out.parent)
     if old is not None:
-        shutil.rmtree(old)
+        _remove(old)
 
 
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)(?:-.*)?")
@@ -415,7 +444,7 @@ def _clean_interrupted(out: Path, progress) -> None:
             os.replace(path, out)
             progress(f"restored {out} from {path.name}, left by an interrupted compile (process {m['pid']})")
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
             progress(f"removed {path.name}, left by an interrupted compile (process {m['pid']})")
 
 

@@ -451,6 +451,49 @@ def test_force_replaces_only_when_complete(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_force_never_replaces_the_source_model(tmp_path):
+    """`--force` replaces OUT whole: OUT naming the model's directory or a parent of it deleted
+    the model it had just compiled. Refused up front (exit 2), the model untouched."""
+    src = tmp_path / "models" / "llama"
+    shutil.copytree(fixtures.path("llama"), src)
+    files = sorted(p.name for p in src.iterdir())
+    for out in (src, src.parent):
+        with pytest.raises(UsageError, match="holds the source model .*choose another -o"):
+            compile_to(src, out, CompileOptions(SMALL, verify=False, force=True))
+    with pytest.raises(UsageError, match="openvino_model.xml is a file: kvc compile writes a directory"):
+        compile_to(src, src / "openvino_model.xml", CompileOptions(SMALL, verify=False, force=True))
+    link = tmp_path / "link"
+    link.symlink_to(src.parent)
+    result = kvc("compile", src / "openvino_model.xml", "-o", link, *CLI_SMALL, "--no-verify", "--force", code=2)
+    assert "holds the source model" in result.output
+    assert sorted(p.name for p in src.iterdir()) == files
+
+
+def test_force_replaces_a_symlink_at_out_but_never_the_working_directory(tmp_path, monkeypatch):
+    """OUT a symlink: the link is replaced by the compile (what it pointed to is kept), not an
+    internal error after publishing with `.out.old-PID` left. `-o .` crashed after the whole
+    compile on the empty name; replacing the working directory would leave the shell in a
+    deleted one, so it is refused up front (exit 2), as a parent of it is."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    out = tmp_path / "out"
+    out.symlink_to(target)
+    kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--no-verify", "--force")
+    assert not out.is_symlink() and (out / "manifest.json").is_file()
+    assert (target / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "out"]
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for out in (".", ".."):
+        result = kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--no-verify", "--force", code=2)
+        assert "is the working directory or holds it" in result.output
+    kvc("compile", fixtures.path("llama"), "-o", "sub", *CLI_SMALL, "--no-verify")  # a relative OUT below it
+    assert (here / "sub" / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "here", "out"]
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

@@ -76,11 +76,18 @@ def test_kill_9_at_sampled_moments_leaves_out_absent_or_complete(tmp_path):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("moment", ["running passes", "compiling ", "verifying the static pipeline"])
-def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, moment):
-    """SIGINT (Ctrl-C) as the compile reports a step (passes, device compiles in child
-    processes, verification): exit 130 with one line and no traceback (not 1, which says "a bug
-    in kvc"), and nothing left beside OUT."""
+@pytest.mark.parametrize("moment, signum, code, said", [
+    ("running passes", signal.SIGINT, 130, "kvc: interrupted"),
+    ("compiling ", signal.SIGINT, 130, "kvc: interrupted"),
+    ("verifying the static pipeline", signal.SIGINT, 130, "kvc: interrupted"),
+    ("compiling ", signal.SIGTERM, 143, "kvc: terminated (SIGTERM)"),
+    ("verifying the static pipeline", signal.SIGHUP, 129, "kvc: hung up (SIGHUP)"),
+], ids=["passes", "device-compiles", "verification", "sigterm", "sighup"])
+def test_a_stopped_compile_exits_128_plus_the_signal_and_leaves_nothing(tmp_path, moment, signum, code, said):
+    """SIGINT (Ctrl-C), SIGTERM (a CI timeout, systemd, `docker stop`) or SIGHUP as the compile
+    reports a step (passes, device compiles in child processes, verification): exit 128 + the
+    signal with one line and no traceback (not 1, which says "a bug in kvc"), and nothing left
+    beside OUT. SIGTERM used to kill kvc at once, leaving the partial output beside OUT."""
     out = tmp_path / "out"
     proc = subprocess.Popen(corpus.kvc_command() + [str(a) for a in COMPILE] + ["-o", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -88,12 +95,12 @@ def test_ctrl_c_during_compile_exits_130_and_leaves_nothing(tmp_path, moment):
     for line in proc.stderr:
         seen.append(line)
         if moment in line:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             break
     else:
         pytest.fail(f"the compile never said {moment!r}:\n{''.join(seen)}")
     _, rest = proc.communicate(timeout=120)
-    assert proc.returncode == 130, "".join(seen) + rest
-    assert rest.strip().splitlines()[-1] == "kvc: interrupted"
+    assert proc.returncode == code, "".join(seen) + rest
+    assert rest.strip().splitlines()[-1] == said
     assert "Traceback" not in rest
     assert sorted(p.name for p in tmp_path.iterdir()) == []
