@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvc import jsontext
 from kvc.errors import UsageError
 from kvc.runtime.ops.registry import to_dtype
 
@@ -176,7 +177,7 @@ def model_config(directory) -> dict | None:
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable JSON config ({exc})") from None
     if not isinstance(config, dict):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvc import jsontext
 from kvc.errors import UsageError
 
 model_argument = click.argument("model", required=False, type=click.Path(exists=True, path_type=str))
@@ -109,13 +109,15 @@ def parse_ids(text: str) -> list[int]:
 def load_prompts(path: str) -> list[list[int]]:
     """A prompts file: a JSON list of token-id lists, or of {"ids": [...]} objects."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = jsontext.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise UsageError(f"{path}: cannot read prompts: {exc}") from None
     if isinstance(data, dict) and "prompts" in data:
         data = data["prompts"]
-    prompts = [entry["ids"] if isinstance(entry, dict) else entry for entry in data] if isinstance(data, list) else None
-    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+    entries = data if isinstance(data, list) else []
+    prompts = [entry.get("ids") if isinstance(entry, dict) else entry for entry in entries]
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in p) for p in prompts):
         raise UsageError(f"{path}: expected a JSON list of token-id lists (or of {{\"ids\": [...]}})")
     return prompts
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from kvc import jsontext
 from kvc.cli.options import json_option, model_argument, progress, resolve_model
 from kvc.cli.render import echo_json, human_bytes, table
 
@@ -97,7 +98,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     target = costs_path or costs_cache(path, device, inference_precision)
     if target.is_file():
         try:
-            data = json.loads(target.read_text(encoding="utf-8"))
+            data = jsontext.loads(target.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UsageError(f"{target}: not a readable costs file ({exc})") from None
         costs = Costs.from_dict(data, str(target))

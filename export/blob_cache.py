@@ -29,7 +29,7 @@ import re
 import shutil
 from pathlib import Path
 
-from kvc import __version__
+from kvc import __version__, jsontext
 from kvc.export.manifest import openvino_version, sha256_file
 from kvc.ir.writer import write_bytes_atomic
 
@@ -101,7 +101,7 @@ class BlobCache:
         if not record.exists():
             return None
         try:
-            meta = json.loads(record.read_text(encoding="utf-8"))
+            meta = jsontext.loads(record.read_text(encoding="utf-8"))
             ok = isinstance(meta, dict) and meta.get("key") == key and isinstance(meta.get("entry"), dict)
             if ok:
                 shutil.copyfile(blob, out)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvc import __version__
+from kvc import __version__, jsontext
 from kvc.errors import OutputError, UsageError, VerificationError
 from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, group_key, keyable
 from kvc.export.branches import branch_groups
@@ -571,7 +571,7 @@ _MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", 
 def _model_config(source_dir: Path) -> dict:
     """The model's config.json as a dict ({} when absent or not an object)."""
     try:
-        config = json.loads((source_dir / "config.json").read_text())
+        config = jsontext.loads((source_dir / "config.json").read_text())
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import openvino as ov
 
+from kvc import jsontext
 from kvc.errors import DeviceError, InvalidModelError, UsageError
 from kvc.plan import StaticPlan
 
@@ -113,7 +114,7 @@ def read_manifest(directory: str | Path) -> dict:
         raise InvalidModelError("no-manifest", str(directory), "not a kvc compiled directory",
                                 expected=f"{MANIFEST} written by `kvc compile`", found="no manifest")
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        manifest = jsontext.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidModelError("bad-manifest", str(path), f"manifest is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvc import jsontext
 from kvc.errors import UsageError
 from kvc.plan import NPUW_ALIGN, plan_lengths
 
@@ -94,7 +95,7 @@ def load_workload(path: str | Path, encode=None) -> Workload:
 
 def _histogram(path: Path) -> Workload:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable JSON histogram ({exc})") from None
     rows = data.get("requests") if isinstance(data, dict) else None
@@ -454,7 +455,7 @@ def read_plan(path: str | Path) -> dict:
     prefill_first (a plan written before kvc planned first chunks has none: none), variants."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable plan ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT or not isinstance(data.get("lengths"), dict):

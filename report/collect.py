@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvc import jsontext
 from kvc.errors import InvalidModelError, KvcError, UsageError
 from kvc.export.manifest import KINDS, model_kind, model_order
 
@@ -186,7 +187,7 @@ def _bad_dumps(path: Path, reason: str, found=None) -> InvalidModelError:
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return jsontext.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad_dumps(path, f"not readable JSON: {exc}") from None
 

@@ -9,12 +9,12 @@ Temperature 0 is greedy (argmax; the first of equal maxima).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from kvc import jsontext
 from kvc.errors import ComputeError, UsageError
 
 
@@ -86,7 +86,7 @@ def eos_ids(directory: Path) -> frozenset[int]:
     generation_config.json, else its config.json; empty when neither states one."""
     for name in ("generation_config.json", "config.json"):
         try:
-            value = json.loads((Path(directory) / name).read_text()).get("eos_token_id")
+            value = jsontext.loads((Path(directory) / name).read_text()).get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             continue
         ids = value if isinstance(value, list) else [value]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvc import __version__
+from kvc import __version__, jsontext
 from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import backend_config, open_compiled, pipeline_from
 from kvc.export.manifest import check_files, openvino_version, read_manifest
@@ -73,8 +73,8 @@ def _at(tokens, i):
 
 def load_goldens(path) -> dict:
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = jsontext.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidModelError("bad-goldens", str(path), f"cannot read goldens: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InvalidModelError("bad-goldens", str(path), "not a kvc goldens file",

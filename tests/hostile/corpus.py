@@ -373,7 +373,7 @@ def build(tmp: Path) -> list[Case]:
     ir_case("bin-truncated", "the .bin cut to half its size", xml, INVALID, ("{file}", "bin-truncated"),
             bin_bytes=fixture_bin()[: len(fixture_bin()) // 2])
     ir_case("bin-empty", "a zero-byte .bin", xml, INVALID, ("{file}", "bin-truncated"), bin_bytes=b"")
-    ir_case("weights-nan", "every f32 weight of 1 KB or more is NaN", xml, VERIFY, ("non-finite",),
+    ir_case("weights-nan", "every f32 weight of 1 KB or more is NaN", xml, INVALID, ("nan-weights", "NaN of"),
             bin_bytes=poison_weights(float("nan")), commands=("compile",), bug=None)
     p = write_ir(tmp / "weights-inf-no-verify", xml, poison_weights(float("inf")))
     cases.append(Case("weights-inf-no-verify", "every large f32 weight is +Inf, compiled with --no-verify", [
@@ -506,6 +506,17 @@ def build(tmp: Path) -> list[Case]:
     cli_case("verify-prompts-bad", "a verify prompts file with a negative id and a non-list", [
         Run("verify", ["verify", "{good}", "--prompts", str(prompts), "--backends", "numpy",
                        "--max-new-tokens", "2"], USAGE, ("prompts-bad.json",))])
+    # JSON nested past the parser's recursion limit (it raised RecursionError: exit 1, "internal error").
+    deep = "[" * 100000 + "]" * 100000
+    for name in ("prompts-deep.json", "goldens-deep.json", "plan-deep.json"):
+        (tmp / name).write_text(deep)
+    cli_case("json-nested-too-deeply", "prompts, goldens and plan files of 100000 nested arrays", [
+        Run("verify", ["verify", "{good}", "--prompts", str(tmp / "prompts-deep.json"), "--backends", "numpy"],
+            USAGE, ("prompts-deep.json", "nested too deeply")),
+        Run("verify-goldens", ["verify", "{good}", "--goldens", str(tmp / "goldens-deep.json")], INVALID,
+            ("goldens-deep.json", "bad-goldens", "nested too deeply")),
+        Run("compile", ["compile", "{fixture}", "-o", "{out}", "--plan", str(tmp / "plan-deep.json")], USAGE,
+            ("plan-deep.json", "nested too deeply"))])
     cli_case("bisect-prompt-out-of-vocab", "kvc bisect with a token id past the vocabulary", [
         Run("bisect", ["bisect", "{fixture}", *SMALL, "--prompt-ids", "1,99999999"], USAGE, ("99999999",))])
 
@@ -532,6 +543,9 @@ def build(tmp: Path) -> list[Case]:
             Run("inspect", ["inspect", "{case}"], INVALID, ("manifest.json", "outside"))]),
         ("compiled-manifest-absolute", "manifest naming /etc/passwd as a file", [
             Run("run", cd, INVALID, ("manifest.json", "outside"))]),
+        ("compiled-manifest-deep", "manifest.json of 100000 nested arrays", [
+            Run("run", cd, INVALID, ("manifest.json", "bad-manifest", "nested too deeply")),
+            Run("inspect", ["inspect", "{case}"], INVALID, ("manifest.json", "nested too deeply"))]),
         ("compiled-manifest-not-json", "manifest.json cut in half", [
             Run("run", cd, INVALID, ("manifest.json", "bad-manifest")),
             Run("inspect", ["inspect", "{case}"], INVALID, ("manifest.json", "bad-manifest"))]),
@@ -638,6 +652,8 @@ def prepare_compiled(case: Case, good: Path) -> None:
     elif n == "compiled-manifest-not-json":
         text = mpath.read_text()
         mpath.write_text(text[: len(text) // 2])
+    elif n == "compiled-manifest-deep":
+        mpath.write_text("[" * 100000 + "]" * 100000)
     elif n not in ("compiled-no-manifest", "compiled-manifest-not-utf8"):
         mpath.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
 
