@@ -43,7 +43,7 @@ import numpy as np
 
 from kvc import jsontext
 from kvc.errors import UsageError
-from kvc.plan import NPUW_ALIGN, plan_lengths
+from kvc.plan import MAX_LENGTH, NPUW_ALIGN, plan_lengths
 
 PLAN_FORMAT = "kvc-plan/1"
 COSTS_FORMAT = "kvc-costs/1"
@@ -69,6 +69,9 @@ class Workload:
         return {"source": self.source, "requests": int(len(self.prompts)),
                 "prompt_tokens": {"mean": float(self.prompts.mean()), "max": int(self.prompts.max())},
                 "new_tokens": {"mean": float(self.responses.mean()), "max": int(self.responses.max())}}
+
+
+MAX_REQUESTS = 1_000_000  # requests a workload may hold, a histogram's counts summed
 
 
 def load_workload(path: str | Path, encode=None) -> Workload:
@@ -101,17 +104,21 @@ def _histogram(path: Path) -> Workload:
     rows = data.get("requests") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise UsageError(f'{path}: expected {{"requests": [[prompt_len, response_len, count], ...]}}')
-    prompts, responses = [], []
+    total = 0
     for i, row in enumerate(rows):
         ok = (isinstance(row, list) and len(row) == 3
-              and all(isinstance(v, int) and not isinstance(v, bool) for v in row) and row[0] >= 1 and row[1] >= 1
-              and 1 <= row[2] <= 1_000_000)
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in row)
+              and 1 <= row[0] <= MAX_LENGTH and 1 <= row[1] <= MAX_LENGTH and 1 <= row[2] <= MAX_REQUESTS)
         if not ok:
-            raise UsageError(f"{path}: requests[{i}] must be [prompt_len >= 1, response_len >= 1, count 1-1e6], "
-                             f"found {json.dumps(row)[:60]}")
-        prompts += [row[0]] * row[2]
-        responses += [row[1]] * row[2]
-    return Workload(np.asarray(prompts, np.int64), np.asarray(responses, np.int64), str(path))
+            raise UsageError(f"{path}: requests[{i}] must be [prompt_len 1-{MAX_LENGTH}, response_len 1-{MAX_LENGTH}, "
+                             f"count 1-{MAX_REQUESTS}], found {json.dumps(row)[:60]}")
+        total += row[2]
+        if total > MAX_REQUESTS:  # 200000 rows of 1e6 each ran the machine out of memory
+            raise UsageError(f"{path}: the histogram counts more than {MAX_REQUESTS} requests in all (by "
+                             f"requests[{i}]); scale its counts down, the plan depends on their proportions")
+    counts = [row[2] for row in rows]
+    return Workload(np.repeat(np.asarray([row[0] for row in rows], np.int64), counts),
+                    np.repeat(np.asarray([row[1] for row in rows], np.int64), counts), str(path))
 
 
 # -- costs ---------------------------------------------------------------------------------

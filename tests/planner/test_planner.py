@@ -214,6 +214,10 @@ def test_every_request_of_the_workload_fits_the_plan():
     ('{"requests": [[0, 5, 1]]}', r"requests\[0\]"),
     ('{"requests": [[10, 5, true]]}', r"requests\[0\]"),
     ("[1, 2", "not a readable JSON histogram"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+    ('{"requests": [[1000000000000, 50, 10]]}', r"requests\[0\] must be \[prompt_len 1-1048576"),
+    # 200000 rows of a million each ran the machine out of memory (24 GB) expanding them
+    ('{"requests": [[5, 5, 600000], [6, 6, 400000], [7, 7, 1]]}', r"more than 1000000 requests in all \(by requests\[2\]\)"),
 ])
 def test_bad_histograms_are_refused(tmp_path, text, message):
     path = tmp_path / "w.json"
@@ -232,6 +236,7 @@ def test_workloads_from_requests_and_histograms(tmp_path):
     hist = tmp_path / "w.json"
     hist.write_text('{"requests": [[10, 5, 2], [20, 3, 1]]}')
     assert list(load_workload(hist).prompts) == [10, 10, 20]
+    assert list(load_workload(hist).responses) == [5, 5, 3]
 
 
 def test_malformed_costs_and_plans_are_refused(tmp_path):
