@@ -89,10 +89,10 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     path = resolve_model(model)
     encode, root = None, path if path.is_dir() else path.parent
     if (root / "tokenizer.json").is_file():  # text prompts are tokenized as kvc run tokenizes them
-        from kvc.cli.run_cmd import load_tokenizer
+        from kvc.cli.run_cmd import load_tokenizer, token_ids
 
         tok = load_tokenizer(root)
-        encode = lambda text: tok.encode(text).ids  # noqa: E731
+        encode = lambda text: token_ids(tok, text, str(workload))  # noqa: E731
     load = load_workload(workload, encode)
     budget = Budget(max_models, max_compile_seconds, max_memory_bytes)
     target = costs_path or costs_cache(path, device, inference_precision)

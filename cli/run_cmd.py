@@ -27,6 +27,18 @@ def load_tokenizer(directory: Path):
         raise UsageError(f"{path}: cannot read the tokenizer: {exc}") from None
 
 
+def token_ids(tokenizer, text: str, where: str) -> list[int]:
+    """`text` through the tokenizer; text that is not Unicode (a lone surrogate: bytes a shell
+    passed that are not UTF-8, or a JSON "\\ud800") is a usage error naming `where` (the
+    tokenizer raised a TypeError: exit 1, "internal error")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{where}: the prompt is not valid UTF-8 text ({exc.reason}, character {exc.start})") \
+            from None
+    return tokenizer.encode(text).ids
+
+
 @click.command("run")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
@@ -115,7 +127,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
                             prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
                             retention_policy, events_path, sampling, chunk_reuse, chunk_repair, pipeline)
     tokenizer = load_tokenizer(out) if text is not None else None
-    ids = tokenizer.encode(text).ids if tokenizer else ids
+    ids = token_ids(tokenizer, text, "--prompt") if tokenizer else ids
     if pipeline is None:
         from kvc.export.load import open_compiled
 
@@ -230,7 +242,7 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
         if cache is not None and events_path is not None:
             events.extend(e.to_dict() for e in cache.get_latest_events())
 
-    results = replay(served, entries, (lambda t: tokenizer.encode(t).ids) if tokenizer else None, str(path), drain,
+    results = replay(served, entries, (lambda t: token_ids(tokenizer, t, str(path))) if tokenizer else None, str(path), drain,
                      sampling)
     if events_path is not None:
         from kvc.ir.writer import write_bytes_atomic

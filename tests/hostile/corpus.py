@@ -517,6 +517,13 @@ def build(tmp: Path) -> list[Case]:
             ("goldens-deep.json", "bad-goldens", "nested too deeply")),
         Run("compile", ["compile", "{fixture}", "-o", "{out}", "--plan", str(tmp / "plan-deep.json")], USAGE,
             ("plan-deep.json", "nested too deeply"))])
+    # Text that is not UTF-8: bytes from the shell, a lone surrogate in JSON (the tokenizer raised TypeError).
+    (tmp / "requests-surrogate.jsonl").write_text('{"prompt": "hi \\ud800", "max_new_tokens": 2}\n')
+    cli_case("prompt-not-utf8", "a --prompt of bytes that are not UTF-8, a requests line with a lone surrogate", [
+        Run("run", ["run", "{good}", "--prompt", os.fsdecode(b"hi \xff\xfe"), "--max-new-tokens", "2"], USAGE,
+            ("--prompt", "not valid UTF-8")),
+        Run("run-requests", ["run", "{good}", "--requests", str(tmp / "requests-surrogate.jsonl")], USAGE,
+            ("requests-surrogate.jsonl", "not valid UTF-8"))])
     cli_case("bisect-prompt-out-of-vocab", "kvc bisect with a token id past the vocabulary", [
         Run("bisect", ["bisect", "{fixture}", *SMALL, "--prompt-ids", "1,99999999"], USAGE, ("99999999",))])
 
