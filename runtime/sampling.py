@@ -34,6 +34,8 @@ class Sampling:
             raise UsageError(f"top-k must be >= 0 (0: every token), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**128:
+            raise UsageError(f"seed must be a non-negative integer (below 2^128), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -68,11 +70,15 @@ def choosable(logits: np.ndarray) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
-    x = np.asarray(logits, dtype=np.float64) / s.temperature
+    """A token drawn from softmax(logits / T) cut to the top k and the top-p nucleus. The
+    largest logit is taken off before dividing by T: logits / 1e-310 overflowed to Inf, and
+    Inf - Inf made the probabilities NaN (exit 1); a tiny T now samples the top token."""
+    x = np.asarray(logits, dtype=np.float64)
     order = np.argsort(-x, kind="stable")
     if s.top_k:
         order = order[:s.top_k]
-    z = x[order] - np.max(x[order])
+    with np.errstate(over="ignore"):  # a logit far below the top over a tiny T: -Inf, probability 0
+        z = (x[order] - np.max(x[order])) / s.temperature
     p = np.exp(z)
     p /= p.sum()
     if s.top_p < 1:

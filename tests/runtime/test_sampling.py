@@ -117,3 +117,13 @@ def test_judged_runs_leave_non_finite_logits_to_the_judge():
     """The verification's runs (`JUDGED`) report a NaN as a mismatch with where it is, so their
     greedy choice does not stop at it."""
     assert JUDGED.chooser()(np.array([0.0, np.nan, 1.0])) == 1
+
+
+def test_a_tiny_temperature_samples_the_top_token_and_a_negative_seed_is_refused():
+    """logits / 1e-310 overflowed and the probabilities were NaN (exit 1); numpy refused a
+    negative seed with a ValueError (exit 1)."""
+    logits = np.array([0.5, 3.0, -np.inf, 2.999], np.float32)
+    rng = np.random.default_rng(0)
+    assert {sample(logits, Sampling(temperature=1e-310), rng) for _ in range(20)} == {1}
+    with pytest.raises(UsageError, match="seed must be a non-negative integer"):
+        Sampling(temperature=1.0, seed=-1)
