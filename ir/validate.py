@@ -160,9 +160,17 @@ def _dims_valid(root: Element) -> bool:
     return True
 
 
-def _check_graph(net: Element, file: str, path: str, dims: bool = True) -> list[tuple[_Layer, Element]]:
+MAX_BODY_DEPTH = 16  # bodies within bodies (If, Loop, TensorIterator): models nest a few at most
+
+
+def _check_graph(net: Element, file: str, path: str, dims: bool = True, depth: int = 0) -> list[tuple[_Layer, Element]]:
     """Check one (possibly nested) graph; return its Const layers with their <data>. `dims`:
-    check every port's dimensions here (False when `_dims_valid` found them all valid)."""
+    check every port's dimensions here (False when `_dims_valid` found them all valid).
+    Bodies nest at most MAX_BODY_DEPTH deep (3000 nested bodies exhausted Python's recursion:
+    exit 1, "internal error")."""
+    if depth > MAX_BODY_DEPTH:
+        raise InvalidModelError("nesting-too-deep", file, f"{path}bodies nest more than {MAX_BODY_DEPTH} deep",
+                                expected=f"at most {MAX_BODY_DEPTH} nested bodies", found="more")
     layers_el = net.find("layers")
     if layers_el is None:
         raise InvalidModelError("not-ir", file, f"{path or '<net>'} has no <layers>",
@@ -187,9 +195,10 @@ def _check_graph(net: Element, file: str, path: str, dims: bool = True) -> list[
             consts.append((layer, data))
         body = el.find("body")
         if body is not None:
-            consts += _check_graph(body, file, path=f"{path}{layer.label()} body: ", dims=dims)
+            consts += _check_graph(body, file, path=f"{path}{layer.label()} body: ", dims=dims, depth=depth + 1)
         for nested in el.findall("then_body") + el.findall("else_body"):
-            consts += _check_graph(nested, file, path=f"{path}{layer.label()} {nested.tag}: ", dims=dims)
+            consts += _check_graph(nested, file, path=f"{path}{layer.label()} {nested.tag}: ", dims=dims,
+                                   depth=depth + 1)
     _check_edges(net, layers, file, path)
     return consts
 

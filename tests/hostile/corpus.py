@@ -294,6 +294,13 @@ def build(tmp: Path) -> list[Case]:
               'version="opset1"/></layers><edges/></net>\n')
     ir_case("xml-billion-laughs", "entity expansion bomb (10^9 'lol's) in a layer name", bomb, INVALID,
             ("{file}", "xml-forbidden"), commands=("inspect", "compile", "diff"))
+    nest = "<layers></layers><edges></edges>"
+    for i in range(3000):  # exhausted the validator's recursion (exit 1)
+        nest = (f'<layers><layer id="{i}" name="n{i}" type="TensorIterator" version="opset1"><body>{nest}</body>'
+                f'</layer></layers><edges></edges>')
+    deep = f'<layer id="99999" name="deep" type="TensorIterator" version="opset1"><body>{nest}</body></layer>'
+    ir_case("xml-bodies-nested-3000-deep", "a TensorIterator whose body nests 3000 bodies", xml.replace(
+        "\t</layers>\n\t<edges>", deep + "\n\t</layers>\n\t<edges>", 1), INVALID, ("{file}", "nesting-too-deep"))
     xxe = ('<?xml version="1.0"?>\n<!DOCTYPE net [<!ENTITY xxe SYSTEM "file:///etc/passwd">]>\n'
            '<net name="&xxe;" version="11"><layers/><edges/></net>\n')
     ir_case("xml-external-entity", "external entity reading /etc/passwd", xxe, INVALID, ("{file}", "xml-forbidden"))
