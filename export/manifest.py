@@ -208,6 +208,17 @@ def _check_structure(manifest: dict, path: Path) -> None:
                 and isinstance(entry.get("sha256"), str)):
             raise bad(f"file {name!r} has no size and sha256", expected='{"bytes": int, "sha256": str}',
                       found=repr(entry)[:80])
+    source = manifest["source"]
+    if not (isinstance(source, dict) and isinstance(source.get("path"), str) and isinstance(source.get("sha256"), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in source["sha256"].items())):
+        raise bad("malformed source", expected='{"path": str, "sha256": {file: hash}}', found=repr(source)[:80])
+    checks = manifest.get("verification")
+    if checks is not None and not (isinstance(checks, dict) and isinstance(checks.get("results"), list)
+                                   and all(isinstance(r, dict) for r in checks["results"])):
+        raise bad("malformed verification", expected='null or {"results": [...], ...}', found=repr(checks)[:80])
+    blob_check = manifest.get("blob_check", [])
+    if not (isinstance(blob_check, list) and all(isinstance(r, dict) for r in blob_check)):
+        raise bad("malformed blob_check", expected="a list of results", found=repr(blob_check)[:80])
     if not isinstance(manifest["weights"], str):
         raise bad("weights is not a file name", expected="a string", found=repr(manifest["weights"])[:80])
     named = [manifest["weights"]]

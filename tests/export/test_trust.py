@@ -155,6 +155,22 @@ def test_a_malformed_plan_is_refused_naming_the_manifest(compiled, damage, messa
     assert f"{compiled / MANIFEST}: {message}" in out
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("source", "x", "malformed source"),
+    ("source", {"path": 5, "sha256": {}}, "malformed source"),
+    ("verification", "x", "malformed verification"),
+    ("blob_check", "x", "malformed blob_check"),
+])
+def test_a_manifest_section_of_the_wrong_type_is_refused_by_every_command(compiled, key, value, message):
+    """`inspect` and `verify` crashed on these (TypeError, exit 1); `report` refused them."""
+    m = json.loads((compiled / MANIFEST).read_text())
+    m[key] = value
+    (compiled / MANIFEST).write_text(dumps(m))
+    for argv in (["inspect", compiled], ["verify", compiled, "--backends", "numpy"], ["run", compiled, "--prompt-ids", "1"]):
+        out = kvc(*argv, code=3).output
+        assert f"{compiled / MANIFEST}: {message}" in out and "[bad-manifest]" in out
+
+
 @pytest.mark.parametrize("dim,message", [
     (-1, "model 'prefill' has dynamic ports, which only a first chunk of dynamic rows has"),
     (-2, "model 'prefill' has malformed inputs"),
