@@ -83,7 +83,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     request of a workload within a budget, from the measured cost of the static models on the
     target; compare with the single and pyramid variants at the default chunk."""
     from kvc.errors import UsageError
-    from kvc.ir.writer import write_bytes_atomic
+    from kvc.ir.writer import write_output
     from kvc.planner import Budget, Costs, best_plan, load_workload, measure_costs, plan_document
 
     path = resolve_model(model)
@@ -106,7 +106,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         progress(f"costs: {target}")
     else:
         costs = measure_costs(path, device, inference_precision, progress=progress)
-        write_bytes_atomic(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode())
+        write_output(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode(), "costs")
         progress(f"costs measured and written to {target}")
     from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first
     from kvc.ir.reader import resolve
@@ -121,7 +121,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
                        first_rows)
     document = plan_document(result, load, costs, budget)
     if out is not None:
-        write_bytes_atomic(out, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode())
+        write_output(out, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode(), "plan")
     if as_json:
         echo_json(document)
         return

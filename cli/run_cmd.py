@@ -245,9 +245,9 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     results = replay(served, entries, (lambda t: token_ids(tokenizer, t, str(path))) if tokenizer else None, str(path), drain,
                      sampling)
     if events_path is not None:
-        from kvc.ir.writer import write_bytes_atomic
+        from kvc.ir.writer import write_output
 
-        write_bytes_atomic(events_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in events).encode())
+        write_output(events_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in events).encode(), "KV events")
     summary = {"blocks": cache.keys(), **cache.stats.to_dict()} if cache is not None else None
     if as_json:
         echo_json({"backend": backend, "requests": results, "cache": summary})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openvino as ov
 
-from kvc.errors import UsageError
+from kvc.errors import OutputError, UsageError
 
 
 def _umask() -> int:
@@ -85,6 +85,15 @@ def atomic_path(target: str | Path, suffix: str = ""):
 def write_bytes_atomic(target: str | Path, data: bytes) -> None:
     with atomic_path(target) as tmp:
         tmp.write_bytes(data)
+
+
+def write_output(target: str | Path, data: bytes, what: str) -> None:
+    """`write_bytes_atomic` for a file the user named (`what` it is: "goldens", "plan", ...):
+    a path that cannot be written is an OutputError (exit 7) naming it, not an internal error."""
+    try:
+        write_bytes_atomic(target, data)
+    except OSError as exc:
+        raise OutputError(f"cannot write the {what} {target}: {exc.strerror or exc}; nothing was written") from None
 
 
 def save(model: ov.Model, path: str | Path) -> Path:

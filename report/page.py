@@ -15,7 +15,7 @@ from html import escape
 from pathlib import Path
 
 from kvc import __version__
-from kvc.errors import InvalidModelError, OutputError
+from kvc.errors import InvalidModelError
 from kvc.export.manifest import model_order, shared_with
 from kvc.plan import chunk_label
 from kvc.report.collect import Branch, ReportData, collect
@@ -357,12 +357,8 @@ def render(d: ReportData) -> str:
 def write_report(directory, path, **kwargs) -> Path:
     """Collect (`kvc.report.collect.collect`'s keyword arguments), render and write the page
     atomically to `path`; an unwritable path is an OutputError (exit 7)."""
-    from kvc.ir.writer import write_bytes_atomic
+    from kvc.ir.writer import write_output
 
-    text = render(collect(directory, **kwargs))
     path = Path(path)
-    try:
-        write_bytes_atomic(path, text.encode("utf-8"))
-    except OSError as exc:
-        raise OutputError(f"cannot write the report {path}: {exc.strerror or exc}") from None
+    write_output(path, render(collect(directory, **kwargs)).encode("utf-8"), "report")
     return path

@@ -19,7 +19,7 @@ from kvc import __version__, jsontext
 from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import backend_config, open_compiled, pipeline_from
 from kvc.export.manifest import check_files, openvino_version, read_manifest
-from kvc.ir.writer import write_bytes_atomic
+from kvc.ir.writer import write_output
 from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
 from kvc.runtime.sampling import JUDGED
 from kvc.runtime.static_pipeline import max_new_tokens
@@ -44,7 +44,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
         entries.append({"ids": [int(t) for t in prompt], "tokens": gen.tokens, "top_logits": steps})
     data = {"format": FORMAT, "kvc_version": __version__, "openvino_version": openvino_version(),
             "backend": backend, "kv_element_type": pipe.plan.kv[0].element_type, "prompts": entries}
-    write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
+    write_output(path, (json.dumps(data, indent=1) + "\n").encode(), "goldens")
     return data
 
 

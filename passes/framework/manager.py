@@ -38,9 +38,10 @@ from typing import TextIO
 
 import openvino as ov
 
+from kvc.errors import OutputError
 from kvc.ir.compare import count_delta, diff_text, op_counts
 from kvc.ir.text import to_text
-from kvc.ir.writer import write_bytes_atomic
+from kvc.ir.writer import write_output
 from kvc.passes.framework import invariants, rules
 from kvc.passes.framework.base import Pass, PassFailure
 
@@ -120,7 +121,7 @@ class PassManager:
 
     def _dump(self, filename: str, text: str) -> None:
         if self.instr.dump_dir is not None:
-            write_bytes_atomic(Path(self.instr.dump_dir) / filename, text.encode())
+            write_output(Path(self.instr.dump_dir) / filename, text.encode(), "pass dump")
 
     # -- running -------------------------------------------------------------------------
     def run(self, model: ov.Model) -> PipelineRun:
@@ -128,7 +129,10 @@ class PassManager:
         need_text = instr.active or self.check
         text_before = to_text(model) if need_text else None
         if instr.dump_dir is not None:
-            Path(instr.dump_dir).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(instr.dump_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"cannot write the dumps to {instr.dump_dir}: {exc.strerror or exc}") from None
             self._dump("000-input.txt", text_before)
         records: list[PassRecord] = []
         intermediates: list[ov.Model] = []

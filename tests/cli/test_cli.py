@@ -315,6 +315,19 @@ def test_goldens_record_and_check(compiled, tmp_path):
     assert "token 3 changed" in result.output
 
 
+def test_an_output_path_that_cannot_be_written_is_exit_7(compiled, tmp_path):
+    """A file standing where a directory must be (root passes permission checks): the goldens,
+    the pass dumps and a plan's costs were internal errors (exit 1)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = kvc("verify", compiled, "--record", blocker / "g.json", "--backends", "numpy", "--max-new-tokens", "2",
+              code=7).output
+    assert f"cannot write the goldens {blocker / 'g.json'}" in out and "Traceback" not in out
+    out = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", *SMALL, "--no-verify", "--dump-dir",
+              blocker / "dumps", code=7).output
+    assert f"cannot write the dumps to {blocker / 'dumps'}" in out and not (tmp_path / "o").exists()
+
+
 def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_path):
     """Goldens recorded from the blobs were checked on numpy's IR run (the first of the
     default --backends), which a bad blob does not change: without --backends they are checked
