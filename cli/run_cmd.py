@@ -11,7 +11,7 @@ import click
 
 from kvc.cli.options import json_option, parse_ids
 from kvc.cli.render import echo_json, table
-from kvc.errors import UsageError
+from kvc.errors import InvalidModelError, UsageError
 
 
 def load_tokenizer(directory: Path):
@@ -24,7 +24,7 @@ def load_tokenizer(directory: Path):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust library raises its own exception type
-        raise UsageError(f"{path}: cannot read the tokenizer: {exc}") from None
+        raise InvalidModelError("bad-tokenizer", str(path), f"cannot read the tokenizer: {exc}") from None
 
 
 def token_ids(tokenizer, text: str, where: str) -> list[int]:

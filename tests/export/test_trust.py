@@ -385,3 +385,13 @@ def test_a_source_with_a_nan_weight_is_refused_before_anything_is_written(source
     result = kvc("compile", src, "-o", out, *SMALL, code=3)
     assert "[nan-weights]" in result.output and "self.model.embed_tokens.weight" in result.output
     assert "found 1 NaN of" in result.output and not out.exists()
+
+
+def test_a_damaged_tokenizer_is_an_invalid_file(compiled):
+    """A truncated tokenizer.json was a usage error (exit 2) with --prompt and an invalid file
+    (exit 3) with --prompt-ids: it is an invalid file either way."""
+    tokenizer = compiled / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:100])
+    out = kvc("run", compiled, "--prompt", "hi", "--max-new-tokens", "2", code=3).output
+    assert "tokenizer.json" in out and "[bad-tokenizer]" in out
+    assert "[file-changed]" in run(compiled, code=3).output
