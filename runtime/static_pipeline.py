@@ -214,12 +214,12 @@ class StaticPipeline:
             i = int(outside[0])
             raise UsageError(f"token id {int(prompt[i])} at position {i} of the prompt is outside the vocabulary "
                              f"(ids 0 to {self.vocab - 1 if self.vocab else 'any non-negative'})")
-        if new_tokens < 1:
-            raise UsageError(f"the number of new tokens must be at least 1, got {new_tokens}")
-        if n > L.prompt:
+        if n > L.prompt:  # first: a caller sizing new_tokens by the room left asks for fewer than 1 then
             raise PromptTooLongError(
                 f"prompt of {n} tokens does not fit: the prefill model takes at most {L.prompt} "
                 f"(max prompt length {L.prompt}, chunk {L.chunk or 'none'})")
+        if new_tokens < 1:
+            raise UsageError(f"the number of new tokens must be at least 1, got {new_tokens}")
         limit = max_new_tokens(L, n)
         if new_tokens > limit:
             raise CapacityError(

@@ -513,6 +513,10 @@ def build(tmp: Path) -> list[Case]:
     cli_case("verify-prompts-bad", "a verify prompts file with a negative id and a non-list", [
         Run("verify", ["verify", "{good}", "--prompts", str(prompts), "--backends", "numpy",
                        "--max-new-tokens", "2"], USAGE, ("prompts-bad.json",))])
+    (tmp / "prompts-long.json").write_text(json.dumps([[1] * 300]))
+    cli_case("verify-prompt-too-long", "a verify prompt of 300 tokens, past the capacity (blamed a negative "
+             "token count)", [Run("verify", ["verify", "{good}", "--prompts", str(tmp / "prompts-long.json"),
+                                             "--backends", "numpy"], USAGE, ("prompt of 300 tokens does not fit",))])
     # JSON nested past the parser's recursion limit (it raised RecursionError: exit 1, "internal error").
     deep = "[" * 100000 + "]" * 100000
     for name in ("prompts-deep.json", "goldens-deep.json", "plan-deep.json"):
