@@ -13,8 +13,9 @@ from kvc.errors import VerificationError
 @model_argument
 @static_options
 @click.option("--prompt-ids", default=None, help="Prompt to probe with (default: 8 deterministic tokens).")
-@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Greedy steps compared for dynamic stages.")
+@click.option("--steps", type=click.IntRange(1, 256), default=3, show_default=True,
+              help="Greedy steps compared for dynamic stages (at most 256: each step runs every stage again; "
+                   "99999999999 ran for hours).")
 @json_option
 def bisect(model, prompt_ids, steps, as_json, **kwargs):
     """Run the compile pipeline pass by pass on kvc's numpy runtime, comparing every

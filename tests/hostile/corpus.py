@@ -470,6 +470,8 @@ def build(tmp: Path) -> list[Case]:
         cases.append(Case(name, what, runs, None))
 
     comp = ["compile", "{fixture}", "-o", "{out}"]
+    cli_case("bisect-steps-huge", "kvc bisect --steps 99999999999 (ran for hours)", [
+        Run("bisect", ["bisect", "{fixture}", *SMALL, "--steps", "99999999999"], USAGE, ("--steps", "256"))])
     cli_case("cli-prompt-len-0", "--max-prompt-len 0", [
         Run("compile", comp + ["--max-prompt-len", "0", "--min-response-len", "64"], USAGE, ("--max-prompt-len",))])
     cli_case("cli-prompt-len-negative", "--max-prompt-len -64", [
