@@ -56,6 +56,10 @@ def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force
     instrumentation = pop_instrumentation(kwargs)
     path = resolve_model(model)
     name = source_name(path, bundled=model is None)
+    if report is not None:
+        from kvc.ir.writer import check_writable
+
+        check_writable(report, "report")
     for note in static.lengths().notes:
         progress(f"note: {note}")
     with contextlib.ExitStack() as stack:

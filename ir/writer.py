@@ -87,6 +87,20 @@ def write_bytes_atomic(target: str | Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def check_writable(target: str | Path, what: str) -> None:
+    """Raise the OutputError `write_output` would, before the work that makes `target` (a
+    compile with --report published OUT, then failed to write the page: exit 7, though 7
+    says nothing was published). A temporary file is made beside `target` and removed."""
+    target = Path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = temp_file(target.parent, f".{target.name}.", ".tmp")
+        os.close(fd)
+        tmp.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot write the {what} {target}: {exc.strerror or exc}; nothing was written") from None
+
+
 def write_output(target: str | Path, data: bytes, what: str) -> None:
     """`write_bytes_atomic` for a file the user named (`what` it is: "goldens", "plan", ...):
     a path that cannot be written is an OutputError (exit 7) naming it, not an internal error."""

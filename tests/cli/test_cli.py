@@ -326,6 +326,10 @@ def test_an_output_path_that_cannot_be_written_is_exit_7(compiled, tmp_path):
     out = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", *SMALL, "--no-verify", "--dump-dir",
               blocker / "dumps", code=7).output
     assert f"cannot write the dumps to {blocker / 'dumps'}" in out and not (tmp_path / "o").exists()
+    # a report path checked before the compile: OUT was published, then exit 7 ("nothing published")
+    out = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "o", *SMALL, "--no-verify", "--report",
+              blocker / "r.html", code=7).output
+    assert f"cannot write the report {blocker / 'r.html'}" in out and not (tmp_path / "o").exists()
 
 
 def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_path):
