@@ -62,11 +62,11 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
     if record is not None:
         if prompts is None:
             from kvc.export.manifest import plan_of, read_manifest
-            from kvc.verify.compiled import default_prompts
+            from kvc.verify.compiled import default_prompts, special_ids
 
             manifest = read_manifest(out)
             vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-            prompts = default_prompts(plan_of(manifest).lengths, vocab)
+            prompts = default_prompts(plan_of(manifest).lengths, vocab, specials=special_ids(out, vocab))
         data = golden_files.record(out, record, prompts, backend=backend_list[0], new_tokens=max_new_tokens,
                                    from_ir=from_ir)
         if as_json:
@@ -93,14 +93,19 @@ def _dash(v):
 
 
 def _finish(report: dict, as_json: bool, headers, row) -> None:
+    embedding = report.get("embedding")
     if as_json:
         echo_json(report)
     else:
         click.echo(table(headers, [row(r) for r in report["results"]]))
+        if embedding is not None:
+            click.echo(f"embedding table: {embedding['reason']}")
         click.echo("verification: " + ("OK" if report["ok"] else "MISMATCH"))
     if not report["ok"]:
         from kvc.verify.compiled import probe_label
 
+        if embedding is not None and not embedding["ok"]:
+            raise VerificationError(f"mismatch in the embedding table: {embedding['reason']}")
         bad = next(r for r in report["results"] if not r["ok"])
         where = ", ".join(w for w in (bad.get("backend"), probe_label(bad) if "prompt_tokens" in bad else None) if w)
         raise VerificationError(f"mismatch{' on ' + where if where else ''}: {bad['reason']}")

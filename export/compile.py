@@ -484,9 +484,10 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    from kvc.verify.compiled import probe_cases, selects
+    from kvc.verify.compiled import probe_cases, selects, special_ids
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
+    embedding = _check_embeddings(model_path, static) if options.verify else None
     # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
     # weights.bin); everything after this reads the written IR, so they go now: each later
     # import maps weights.bin again, and a peak with both would count the weights twice more.
@@ -516,10 +517,13 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     from kvc.runtime.interpreter import EvaluationError
 
     try:
-        cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens,
-                            window=model_window(resolve(model_path).root))
+        root = resolve(model_path).root
+        cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens, window=model_window(root),
+                            specials=special_ids(root, vocab))
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
                                                                 options, progress, compiler, compile_for)
+        if embedding is not None:
+            manifest["verification"]["embedding"] = embedding
         for device in options.devices:
             for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
                 hashes.start(work / file)
@@ -805,6 +809,19 @@ def one_blas_thread():
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=1, user_api="blas")
+
+
+def _check_embeddings(model_path: Path, static) -> dict:
+    """Every row of every static model's token embedding table against the source's, the rows
+    no probe reads (kvc.verify.embedding), in the models as built and saved, before anything
+    else is checked: a mismatch is a VerificationError and nothing is written."""
+    from kvc.verify.embedding import check_embeddings
+
+    embedding = check_embeddings(load(model_path, validate=False), static.models)
+    if not embedding["ok"]:
+        raise VerificationError(f"the compiled pipeline does not reproduce {model_path}: {embedding['reason']}; "
+                                f"nothing was written (kvc bisect to locate)")
+    return embedding
 
 
 def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,

@@ -90,9 +90,15 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 def eos_ids(directory: Path) -> frozenset[int]:
     """The end-of-sequence ids of a compiled (or optimum-intel) directory's
     generation_config.json, else its config.json; empty when neither states one."""
+    return config_ids(directory, "eos_token_id")
+
+
+def config_ids(directory: Path, key: str) -> frozenset[int]:
+    """The token ids `key` (eos_token_id, bos_token_id, pad_token_id) names in a directory's
+    generation_config.json, else its config.json; empty when neither states one."""
     for name in ("generation_config.json", "config.json"):
         try:
-            value = jsontext.loads((Path(directory) / name).read_text()).get("eos_token_id")
+            value = jsontext.loads((Path(directory) / name).read_text()).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         ids = value if isinstance(value, list) else [value]

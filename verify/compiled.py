@@ -34,10 +34,11 @@ def run_probe(pipe, probe: Probe):
 BULK_TOKENS = 2
 
 
-def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None) -> list[Probe]:
+def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None,
+                specials=()) -> list[Probe]:
     """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
-    at most P) that generates `tokens` new tokens (at most what fits), the generate models'
-    probe; then prompts until every chunk model has run over a real past and every first-chunk
+    at most P), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
+    what fits), the generate models' probe; then prompts until every chunk model has run over a real past and every first-chunk
     model has run (`_model_probes`), each generating BULK_TOKENS: the last call's own token and
     one step that reads every row it wrote (with 8, six more steps on each engine: 0.9 s of a
     19 s compile of the 250M model, proving what the short probe proves). With a chunk C alone
@@ -84,7 +85,8 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     rng = np.random.default_rng(seed)
     cases = []
     short = min(plan.prompt, 7) if plan.chunk else min(plan.prompt, 33)
-    cases.append(Probe(rng.integers(1, vocab, short).tolist(), min(tokens, max_new_tokens(plan, short))))
+    cases.append(Probe(_led_by(specials, rng.integers(1, vocab, short).tolist()),
+                       min(tokens, max_new_tokens(plan, short))))
     far = _far_probes(plan)
     for length in _model_probes(plan, [short]):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
@@ -405,11 +407,30 @@ def directory_selects(directory, manifest: dict) -> bool:
                    for entry in manifest["models"].values())
 
 
-def default_prompts(plan, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Deterministic prompts spanning the prefill: 1 token, half of P, and P."""
+def special_ids(directory, vocab: int) -> list[int]:
+    """The ids a probe must feed besides random ones: the model's BOS first (every real prompt
+    starts with it), its EOS and pad ids, and 0 (generation_config.json, else config.json).
+    Random ids from 1 miss them, and a fault in one embedding row reads only where its id is
+    fed: a pass that zeroed the BOS/pad row verified OK while every prompt starting with it
+    generated other tokens."""
+    from kvc.runtime.sampling import config_ids
+
+    ids = [*sorted(config_ids(directory, "bos_token_id")),
+           *sorted(config_ids(directory, "eos_token_id") | config_ids(directory, "pad_token_id") | {0})]
+    return [i for i in dict.fromkeys(ids) if i < vocab]
+
+
+def default_prompts(plan, vocab: int, seed: int = 0, specials=()) -> list[list[int]]:
+    """Deterministic prompts spanning the prefill: 1 token, half of P, and P; each begins with
+    `specials` (`special_ids`: the 1-token prompt is the BOS)."""
     rng = np.random.default_rng(seed)
     lengths = sorted({1, max(1, plan.prompt // 2), plan.prompt})
-    return [rng.integers(1, vocab, n).tolist() for n in lengths]
+    return [_led_by(specials, rng.integers(1, vocab, n).tolist()) for n in lengths]
+
+
+def _led_by(specials, prompt: list[int]) -> list[int]:
+    """`prompt` with its first tokens replaced by `specials` (as many as fit)."""
+    return (list(specials) + prompt[len(specials):])[:len(prompt)]
 
 
 def reference_session(source, backend: str = "openvino"):
@@ -451,6 +472,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, source_run, stored_rows
+    from kvc.verify.embedding import check_directory
     from kvc.verify.peer_drift import peer_for
 
     directory = Path(directory)
@@ -461,9 +483,10 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     plan = plan_of(manifest)
     lengths = plan.lengths
     vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-    prompts = prompts or default_prompts(lengths, vocab)
+    specials = special_ids(directory, vocab)
+    prompts = prompts or default_prompts(lengths, vocab, specials=specials)
     cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]
-    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory))
+    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), specials=specials)
     kv_types = plan.kv_element_types
     exact = widens(kv_types)  # the numpy backend runs the IR widened, as the compile's check does
     rows = []
@@ -510,7 +533,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         del pipe
         if backend == "numpy":
             ir_runs = runs
+    embedding = check_directory(source, directory, manifest)  # the rows no probe reads (verify/embedding.py)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend,
-            "backend_configs": configs,
-            "ok": all(r["ok"] for r in rows), "results": rows}
+            "backend_configs": configs, "embedding": embedding,
+            "ok": all(r["ok"] for r in rows) and embedding["ok"], "results": rows}
