@@ -52,9 +52,12 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     bad, tensor = report.first_bad, report.first_tensor
     where = (f"; first diverging tensor: {tensor['tensor']} (max abs {tensor['max_abs']:.3g}, shape {tensor['shape']})"
              if tensor else "; no tensor to pair (the model before it is not static)" if bad.branch != "common" else "")
+    what = f"the outputs (max abs {bad.max_abs:.3g})"
+    if bad.reason:  # the embedding table: the probe's outputs need not show it
+        what, where = "the model", f": {bad.reason}"
     if not as_json:
         click.echo(f"first bad pass: {bad.spec} ({bad.branch}, pass {bad.index}){where}")
-    raise VerificationError(f"pass {bad.spec} changes the outputs (max abs {bad.max_abs:.3g}){where}")
+    raise VerificationError(f"pass {bad.spec} changes {what}{where}")
 
 
 def _result(stage) -> str:

@@ -28,6 +28,7 @@ from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
+from kvc.verify.embedding import compare_tables, embedding_tables
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
 
 
@@ -40,6 +41,7 @@ class Stage:
     nrmse: float
     ok: bool
     restored: bool = False  # wrong after this pass, right again after a later one of its branch
+    reason: str = ""  # what else is wrong: the token embedding table (verify/embedding.py)
 
 
 @dataclass
@@ -93,26 +95,47 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
         raise UsageError(f"token id {outside[0]} of --prompt-ids is outside the vocabulary (ids 0 to {vocab - 1})")
     ref_dynamic = dynamic_logits(source, prompt, steps)
     report = BisectReport()
+    # The embedding rows the probe's tokens do not select are compared whole after every pass.
+    tables = embedding_tables(source)
+    embedding = _Embedding(tables[0] if tables and len(tables) == 1 else None)
     current = model
     for i, p in enumerate(common_passes(options), start=1):
         before = current.clone()
         current = PassManager([p], use_env=False).run(current).model
         a, n, ok = _judge(ref_dynamic, dynamic_logits(current, prompt, steps), f16=False)
-        stage = Stage("common", i, p.spec(), a, n, ok)
+        why = embedding.changed(current)
+        stage = Stage("common", i, p.spec(), a, n, ok and why is None, reason=why or "")
         report.stages.append(stage)
-        if not ok:
+        if not stage.ok:
             report.first_bad = stage
             report.first_tensor = first_diverging_tensor(before, current, lambda s: first_step_feed(s, prompt))
             return report
     lifted = current
     tokens = rng.integers(1, vocab, 4 * options.lengths().capacity)
     for branch, passes in branch_passes(options).items():
-        if _bisect_branch(report, branch, passes, lifted, tokens):
+        if _bisect_branch(report, branch, passes, lifted, tokens, embedding):
             return report
     return report
 
 
-def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens) -> bool:
+class _Embedding:
+    """The source's token embedding table, and what differs from it in a model (None: nothing,
+    or no table found in the source to compare)."""
+
+    def __init__(self, table):
+        self.table, self.equal = table, set()
+
+    def changed(self, model: ov.Model) -> str | None:
+        if self.table is None:
+            return None
+        tables = embedding_tables(model)
+        if tables is None or len(tables) != 1:
+            return "it gathers the token embeddings other than the source does"
+        return compare_tables(self.table, tables[0], self.equal)
+
+
+def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens,
+                   embedding: _Embedding) -> bool:
     """Judge each static stage of one branch; True when the branch ends wrong (the culprit is
     the first pass of the run of wrong stages at its end)."""
     model, models, stages = lifted.clone(), [lifted], []
@@ -123,7 +146,9 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
             continue
         feed = static_feed(model, lifted, tokens)
         out = NumpySession(model).infer(feed.inputs)["logits"][0][feed.rows]
-        stages.append((i, Stage(branch, i, p.spec(), *_judge(feed.ref_logits, out, feed.f16))))
+        a, n, ok = _judge(feed.ref_logits, out, feed.f16)
+        why = embedding.changed(model)
+        stages.append((i, Stage(branch, i, p.spec(), a, n, ok and why is None, reason=why or "")))
     report.stages.extend(s for _, s in stages)
     if not stages or stages[-1][1].ok:
         for _, s in stages:

@@ -94,6 +94,10 @@ def test_a_pass_that_zeroes_a_row_no_probe_reads_is_refused(tmp_path):
                  "--passes", "lift-state,dense-experts,rotate-half-rope,test-zero-row-one", code=4)
     assert "embedding rows for 1 token id(s) differ from the source's (1;" in result.output
     assert not out.exists()
+    # kvc bisect names the pass: its probe's 8 tokens do not select row 1, so their outputs agree
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, "--pass-plugin", plugin,
+                 "--passes", "lift-state,dense-experts,rotate-half-rope,test-zero-row-one", code=4)
+    assert "first bad pass: test-zero-row-one (common, pass 4): its embedding rows for 1 token id(s)" in result.output
 
 
 def test_kvc_verify_reads_every_row_of_a_rewritten_weights_file(tmp_path):
