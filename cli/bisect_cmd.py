@@ -37,7 +37,11 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     from kvc.passes import format_pipeline
 
     progress(f"bisecting {path}: {format_pipeline(common_passes(options))}, then each static branch")
-    report = run_bisect(ir.load(path), options, prompt=parse_ids(prompt_ids) if prompt_ids else None, steps=steps,
+    from kvc.ir.finite import check_no_nan_weights
+
+    model = ir.load(path)
+    check_no_nan_weights(model, str(resolve(path).model))  # else the first pass is blamed for the source's NaN
+    report = run_bisect(model, options, prompt=parse_ids(prompt_ids) if prompt_ids else None, steps=steps,
                         file=str(path))
     if as_json:
         echo_json(report.to_dict())

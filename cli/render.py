@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Iterable, Sequence
 
 import click
@@ -18,7 +19,20 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
 
 
 def echo_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+    """`data` as strict JSON: a NaN or an infinity (a metric of a run that computed them) is
+    written as the string "NaN", "Infinity" or "-Infinity"; Python's bare NaN is not JSON,
+    and `jq` and JSON.parse refused kvc bisect's report of a NaN source."""
+    click.echo(json.dumps(_strict(data), indent=2, sort_keys=True, allow_nan=False))
+
+
+def _strict(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
 
 
 def human_bytes(n: int) -> str:

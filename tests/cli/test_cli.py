@@ -673,3 +673,12 @@ def test_progress_is_a_bar_per_phase_on_a_terminal_and_plain_lines_elsewhere(tmp
     for line in ("[kvc] compiled for CPU (2/2): generate-128", "[kvc] verifying: probes on kvc's numpy runtime (4/4)",
                  "[kvc] checking the CPU blobs (8/8)"):
         assert line in out
+
+
+def test_json_output_is_strict_json_with_nan_and_infinities_spelled_out(capsys):
+    """kvc bisect --json of a run with NaN metrics printed a bare NaN, which is not JSON."""
+    from kvc.cli.render import echo_json
+
+    echo_json({"max_abs": float("nan"), "rows": [float("inf"), -float("inf"), 1.5], "ok": False})
+    assert json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
+        "max_abs": "NaN", "rows": ["Infinity", "-Infinity", 1.5], "ok": False}

@@ -381,7 +381,7 @@ def build(tmp: Path) -> list[Case]:
             bin_bytes=fixture_bin()[: len(fixture_bin()) // 2])
     ir_case("bin-empty", "a zero-byte .bin", xml, INVALID, ("{file}", "bin-truncated"), bin_bytes=b"")
     ir_case("weights-nan", "every f32 weight of 1 KB or more is NaN", xml, INVALID, ("nan-weights", "NaN of"),
-            bin_bytes=poison_weights(float("nan")), commands=("compile",), bug=None)
+            bin_bytes=poison_weights(float("nan")), commands=("compile", "bisect"), bug=None)
     p = write_ir(tmp / "weights-inf-no-verify", xml, poison_weights(float("inf")))
     cases.append(Case("weights-inf-no-verify", "every large f32 weight is +Inf, compiled with --no-verify", [
         Run("compile", ["compile", "{case}", "-o", "{out}", *SMALL, "--no-verify"], VERIFY, ("finite",))], p))
