@@ -42,7 +42,7 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.command("run")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
-              help="Make OUT from this model first, unless OUT is already a compile of it (its files' sha256) for "
+              help="Make OUT from this model first, unless OUT's manifest records this model's files' sha256 for "
                    "--backend's device: kvc compile's defaults, verification on, and the pipeline then serves the "
                    "blobs the compile checked, in this process (nothing imported twice).")
 @click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
@@ -118,7 +118,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
     started = time.perf_counter()
-    pipeline, compiled = compile_if_needed(out, source, force, backend, from_ir)
+    pipeline, compiled = compile_if_needed(out, source, force, backend, from_ir, check)
     load_seconds = time.perf_counter() - started
     stop = frozenset() if ignore_eos else (frozenset(eos) or eos_ids(out))
     sampling = Sampling(temperature, top_k, top_p, seed, stop)
@@ -156,7 +156,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
     click.echo(metrics_line(metrics, backend))
 
 
-def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str, from_ir: bool):
+def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str, from_ir: bool, check: bool = False):
     """--compile-from: compile `source` into `out` for the backend's device (CPU for numpy) with
     `kvc compile`'s defaults, unless `out` already holds a compile of it for that device.
     Returns (the pipeline the compile opened on its blobs, or None when `out` is to be opened:
@@ -180,7 +180,8 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
         if not runs_ir and device not in devices:
             raise UsageError(f"{out} is a compile of {source} for {', '.join(map(str, devices)) or 'no device'}, not "
                              f"{device} (--backend {backend}); pass --force to compile it again for {device}")
-        progress(f"{out} is a compile of {source}: running it")
+        progress(f"{out}'s manifest records {source} as its source, unchanged: running it (its own files are "
+                 f"checked by size{', and by sha256 (--check)' if check else '; --check hashes them'})")
         return None, False
     options = CompileOptions(compile_static((device,)), (device,), force=force)
     if runs_ir:

@@ -226,7 +226,8 @@ def test_run_compile_from_compiles_once_then_runs_what_it_compiled(tmp_path):
     again = kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", ids, "--max-new-tokens", "24",
                 "--json")
     assert not json.loads(again.stdout)["compiled"] and json.loads(again.stdout)["tokens"] == data["tokens"]
-    assert f"{out} is a compile of" in again.stderr and "verifying" not in again.stderr
+    assert f"{out}'s manifest records {fixtures.path('llama')} as its source, unchanged: running it" in again.stderr
+    assert "--check hashes them" in again.stderr and "verifying" not in again.stderr
     other = kvc("run", out, "--compile-from", fixtures.path("qwen2"), "--prompt-ids", "1,2", code=2)
     assert "holds a compile of other files" in other.output and "--force" in other.output
     assert (out / "manifest.json").read_bytes() == manifest
