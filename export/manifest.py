@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import openvino as ov
@@ -335,6 +336,21 @@ def _check_model(name, model, bad) -> None:
                   found=repr(blobs)[:80])
 
 
+_KV_NAME = re.compile(r"(?:past_key_values|present)\.(\d+)\.(key|value)")
+
+
+def _check_kv_names(spec, bad) -> None:
+    """A KV entry's input and output name its layer and kind (optimum-intel's names, which
+    kv-io keeps): swapping two entries' inputs passed every shape check and `kvc run --check`
+    wired layer 0's keys into layer 0's values, generating other tokens with exit 0."""
+    for port in (spec.input, spec.output):
+        named = _KV_NAME.fullmatch(port)
+        if named is not None and (int(named[1]), named[2]) != (spec.layer, spec.kind):
+            raise bad(f"the plan's KV entry for layer {spec.layer} {spec.kind} is wired to {port!r}",
+                      expected=f"past_key_values.{spec.layer}.{spec.kind} -> present.{spec.layer}.{spec.kind}",
+                      found=f"{spec.input} -> {spec.output}")
+
+
 def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     """The plan and the models' port tables tell the same story: the generate models are the
     plan's sizes, the bulk prefill models its bulk chunks and the first-chunk models its first
@@ -355,6 +371,7 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
     if first != list(L.first):
         raise bad("the first-chunk models are not the plan's first chunks", expected=list(L.first), found=first)
     for spec in plan.kv:
+        _check_kv_names(spec, bad)
         if spec.shape[spec.seq_axis] != max(sizes) - L.tokens:
             raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
                       expected=f"{max(sizes) - L.tokens} rows on axis {spec.seq_axis}",

@@ -142,10 +142,20 @@ def test_old_manifest_format_asks_for_a_recompile(compiled):
     assert "recompile" in out and "expected format 3, found format 1" in out
 
 
+def _swap(a: dict, b: dict, key: str) -> None:
+    a[key], b[key] = b[key], a[key]
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda plan: plan.update(version=99), "malformed plan: ValueError: plan version 99, expected 1"),
     (lambda plan: plan["lengths"].pop("generate_sizes"), "malformed plan: KeyError: 'generate_sizes'"),
     (lambda plan: plan["options"].update(beam="keep"), "malformed plan: UsageError: beam=keep cannot be compiled"),
+    # two entries' inputs swapped (key and value of layer 0): every shape agreed, and run --check generated
+    # other tokens with exit 0
+    (lambda plan: _swap(plan["kv"][0], plan["kv"][1], "input"),
+     "the plan's KV entry for layer 0 key is wired to 'past_key_values.0.value'"),
+    (lambda plan: _swap(plan["kv"][0], plan["kv"][2], "output"),
+     "the plan's KV entry for layer 0 key is wired to 'present.1.key'"),
 ])
 def test_a_malformed_plan_is_refused_naming_the_manifest(compiled, damage, message):
     m = json.loads((compiled / MANIFEST).read_text())
