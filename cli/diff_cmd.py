@@ -80,13 +80,33 @@ def _pairs(a: Path, b: Path, kind: str) -> tuple[list[tuple[str, str, str]], lis
     else:
         left, right = _models(a), _models(b)
         text = lambda p: _text_of(p, _weights_for(p))  # noqa: E731
-        plans = [json.loads((d / "manifest.json").read_text())["plan"] for d in (a, b)]
-        if plans[0] != plans[1]:
-            header.append("plan differs:")
-            header += [f"  {line}" for line in _json_delta(plans[0], plans[1])]
+        from kvc.export.manifest import read_manifest
+
+        manifests = [read_manifest(d) for d in (a, b)]
+        for what, of in (("plan", lambda m: m["plan"]), ("deployment", _deployment)):
+            sides = [of(m) for m in manifests]
+            if sides[0] != sides[1]:
+                header.append(f"{what} differs:")
+                header += [f"  {line}" for line in _json_delta(sides[0], sides[1])]
     both = [n for n in left if n in right]
     return ([(n, text(left[n]), text(right[n])) for n in both], [n for n in left if n not in right],
             [n for n in right if n not in left], header)
+
+
+def _deployment(manifest: dict) -> dict:
+    """What a compiled directory runs with besides its models' graphs: its devices, the
+    OpenVINO that made its blobs, each blob's compile and import configuration (the precision
+    it computes at), and the files beside the models (tokenizer, generation and model config)
+    by sha256. Two directories whose graphs are identical but whose blobs compute at bf16 and
+    f32 were reported identical."""
+    blobs = {name: {device: {"compile_config": blob.get("compile_config"),
+                             "import_config": {k: v for k, v in blob["import_config"].items() if k != "WEIGHTS_PATH"}}
+                    for device, blob in entry["blobs"].items()}
+             for name, entry in manifest["models"].items()}
+    used = {manifest["weights"]} | {e["xml"] for e in manifest["models"].values()} | {
+        b["file"] for e in manifest["models"].values() for b in e["blobs"].values()}
+    return {"devices": manifest["devices"], "openvino_version": manifest["openvino_version"], "blobs": blobs,
+            "files": {name: f["sha256"] for name, f in manifest["files"].items() if name not in used}}
 
 
 def _json_delta(a, b, path="") -> list[str]:

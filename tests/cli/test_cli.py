@@ -646,6 +646,19 @@ def test_diff_dump_and_compiled_directories_step_by_step(tmp_path):
     assert "\x1b[32m+" in kvc("diff", a, b, "--color", "always").output
     assert "identical" in kvc("diff", a / "dumps", a / "dumps").output.splitlines()[0]
     assert "cannot compare a compiled with a model" in kvc("diff", a, a / "prefill.xml", code=2).output
+    # The same graphs deployed differently (a blob's precision, the tokenizer) were reported identical.
+    c = tmp_path / "c"
+    shutil.copytree(a, c, ignore=shutil.ignore_patterns("dumps"))
+    m = json.loads((c / "manifest.json").read_text())
+    blob = m["models"]["generate-128"]["blobs"]["CPU"]
+    blob["import_config"]["INFERENCE_PRECISION_HINT"] = "bf16"
+    m["files"]["tokenizer.json"]["sha256"] = "0" * 64
+    (c / "manifest.json").write_text(json.dumps(m))
+    out = kvc("diff", a, c, "--summary-only").output
+    assert "deployment differs:" in out and "generate-128: identical" in out
+    assert re.search(r'blobs\.generate-128\.CPU\.import_config\.INFERENCE_PRECISION_HINT: "\w+" -> "bf16"', out)
+    assert 'files.tokenizer.json: "' in out
+    assert "deployment differs" not in kvc("diff", a, a, "--summary-only").output
 
 
 def test_progress_is_a_bar_per_phase_on_a_terminal_and_plain_lines_elsewhere(tmp_path):
