@@ -421,16 +421,18 @@ def special_ids(directory, vocab: int) -> list[int]:
 
 
 def default_prompts(plan, vocab: int, seed: int = 0, specials=()) -> list[list[int]]:
-    """Deterministic prompts spanning the prefill: 1 token, half of P, and P; each begins with
-    `specials` (`special_ids`: the 1-token prompt is the BOS)."""
+    """Deterministic prompts spanning the prefill: 1 token, half of P, and P; each longer than
+    `specials` (`special_ids`) begins with them."""
     rng = np.random.default_rng(seed)
     lengths = sorted({1, max(1, plan.prompt // 2), plan.prompt})
     return [_led_by(specials, rng.integers(1, vocab, n).tolist()) for n in lengths]
 
 
 def _led_by(specials, prompt: list[int]) -> list[int]:
-    """`prompt` with its first tokens replaced by `specials` (as many as fit)."""
-    return (list(specials) + prompt[len(specials):])[:len(prompt)]
+    """`prompt` with its first tokens replaced by `specials`, when a random one is left after
+    them: a prompt of special tokens alone can compute nothing (a pad row of zeros, which
+    randomly initialised models have, made every logit 0)."""
+    return list(specials) + prompt[len(specials):] if len(prompt) > len(specials) else prompt
 
 
 def reference_session(source, backend: str = "openvino"):
