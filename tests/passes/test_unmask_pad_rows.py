@@ -22,6 +22,7 @@ from kvc.plan import StaticOptions
 from kvc.runtime.compare import judge, poisoned
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import NumpySession, OpenVINOSession
+from kvc.runtime.sampling import JUDGED
 from kvc.runtime.static_pipeline import StaticPipeline
 from tests.conftest import fixture_names
 
@@ -76,7 +77,7 @@ def test_without_the_float_rule_pad_rows_poison_the_logits(monkeypatch):
     infinite_fill(model)
     rules = unmask._rules
     monkeypatch.setattr(unmask, "_rules", lambda cache: rules(cache)[:1])
-    logits = static_pipeline(model).generate(prompts()[0], 2).logits
+    logits = static_pipeline(model).generate(prompts()[0], 2, sampling=JUDGED).logits  # the NaN judged, not refused
     assert poisoned(np.asarray(logits)) is not None
 
 
