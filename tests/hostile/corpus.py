@@ -898,7 +898,8 @@ def write_report(path: Path, outcomes: list[Outcome], n_cases: int, kills: list[
     lines += [f"{o.case}: kvc {shlex.join(o.argv)}" for o in outcomes]
     lines += ["```", ""]
     text = "\n".join(lines)
-    Path(path).write_text(text)
+    # argv may hold bytes that are not UTF-8 (a --prompt case): written as \xNN escapes
+    Path(path).write_text(text, encoding="utf-8", errors="backslashreplace")
     return text
 
 
