@@ -85,7 +85,30 @@ def load_goldens(path) -> dict:
     if data.get("backend") not in ("numpy", "openvino", "npu"):
         raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which backend recorded them",
                                 expected="numpy, openvino or npu", found=str(data.get("backend"))[:80])
+    for i, entry in enumerate(data["prompts"]):
+        if not _entry_ok(entry):
+            raise InvalidModelError("bad-goldens", str(path), f"prompt {i} is not a recorded prompt",
+                                    expected='{"ids": [id, ...], "tokens": [id, ...], "top_logits": one list of '
+                                             '[id, logit] pairs per token}', found=json.dumps(entry)[:80])
     return data
+
+
+def _ids(value) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
+def _entry_ok(entry) -> bool:
+    """A recorded prompt's shape: ids and tokens (non-empty, non-negative ids), and for each
+    token a list of [id, finite logit] pairs (a malformed one was an IndexError, exit 1)."""
+    if not (isinstance(entry, dict) and _ids(entry.get("ids")) and _ids(entry.get("tokens"))):
+        return False
+    steps = entry.get("top_logits")
+    return (isinstance(steps, list) and len(steps) == len(entry["tokens"])
+            and all(isinstance(step, list) and step and all(
+                isinstance(pair, list) and len(pair) == 2 and _ids(pair[:1])
+                and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool) and np.isfinite(pair[1])
+                for pair in step) for step in steps))
 
 
 def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
@@ -134,6 +157,12 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False)
     check_files(Path(directory), manifest, sha256=True)
     atol = drift_bound(data, backend, backend_config(manifest, backend, from_ir=from_ir) or {})
     pipe = pipeline_from(Path(directory), manifest, backend, from_ir=from_ir)
+    for i, entry in enumerate(data["prompts"]):  # ids the model has (a recorded id past it was exit 1)
+        beyond = [t for t in (*entry["ids"], *entry["tokens"], *(t for step in entry["top_logits"] for t, _ in step))
+                  if t >= pipe.vocab]
+        if beyond:
+            raise InvalidModelError("bad-goldens", str(path), f"prompt {i} holds token id {beyond[0]}, past the "
+                                    f"model's vocabulary", expected=f"ids below {pipe.vocab}", found=str(beyond[0]))
     rows = []
     for i, entry in enumerate(data["prompts"]):
         gen = pipe.generate(entry["ids"], len(entry["tokens"]), sampling=JUDGED)

@@ -348,7 +348,12 @@ def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_pat
     data = json.loads(goldens.read_text())
     for damage, message in ((lambda d: d.update(prompts=[]), "hold no prompt"),
                             (lambda d: d.pop("backend"), "which backend recorded them"),
-                            (lambda d: d.update(prompts="x"), "hold no prompt")):
+                            (lambda d: d.update(prompts="x"), "hold no prompt"),
+                            # each an IndexError or a usage error without the file before
+                            (lambda d: d["prompts"][1].update(top_logits=[[["a", "b"]]]), "prompt 1 is not a recorded"),
+                            (lambda d: d["prompts"][0].update(tokens=[]), "prompt 0 is not a recorded"),
+                            (lambda d: d["prompts"][2]["top_logits"][0][0].__setitem__(0, 10**9),
+                             "prompt 2 holds token id 1000000000, past the model's vocabulary")):
         bad = json.loads(json.dumps(data))
         damage(bad)
         goldens.write_text(json.dumps(bad))
