@@ -28,7 +28,7 @@ from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
-from kvc.verify.embedding import compare_tables, embedding_tables
+from kvc.verify.embedding import model_differs, source_table
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
 
 
@@ -96,8 +96,7 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
     ref_dynamic = dynamic_logits(source, prompt, steps)
     report = BisectReport()
     # The embedding rows the probe's tokens do not select are compared whole after every pass.
-    tables = embedding_tables(source)
-    embedding = _Embedding(tables[0] if tables and len(tables) == 1 else None)
+    embedding = _Embedding(source_table(source))
     current = model
     for i, p in enumerate(common_passes(options), start=1):
         before = current.clone()
@@ -126,12 +125,7 @@ class _Embedding:
         self.table, self.equal = table, set()
 
     def changed(self, model: ov.Model) -> str | None:
-        if self.table is None:
-            return None
-        tables = embedding_tables(model)
-        if tables is None or len(tables) != 1:
-            return "it gathers the token embeddings other than the source does"
-        return compare_tables(self.table, tables[0], self.equal)
+        return None if self.table is None else model_differs(self.table, model, self.equal)
 
 
 def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens,

@@ -90,22 +90,33 @@ def compare_tables(source: list, compiled: list, equal: set | None = None) -> st
     return None
 
 
+def source_table(source: ov.Model) -> list | None:
+    """The source's one token embedding table (`embedding_tables`), else None: not compared."""
+    tables = embedding_tables(source)
+    return tables[0] if tables is not None and len(tables) == 1 else None
+
+
+def model_differs(reference: list, model: ov.Model, equal: set) -> str | None:
+    """What differs between `model`'s token embedding table and the source's `reference`
+    (`compare_tables`, `equal` its memo), or None."""
+    tables = embedding_tables(model)
+    if tables is None or len(tables) != 1:
+        return "it gathers its token embeddings other than the source does"
+    return compare_tables(reference, tables[0], equal)
+
+
 def check_embeddings(source: ov.Model, compiled: dict[str, ov.Model]) -> dict:
     """Each compiled model's tables against the source's: {"ok", "compared", "reason"}.
     `compared` is False when the source's table is not found (nothing is claimed then)."""
     if not compiled:
         raise ValueError("no compiled model to compare")
-    reference = embedding_tables(source)
-    if reference is None or len(reference) != 1:
+    reference = source_table(source)
+    if reference is None:
         return {"ok": True, "compared": False,
                 "reason": "the source's token embedding table was not found (an input_ids Gather over constants)"}
     equal: set = set()
     for name, model in sorted(compiled.items()):
-        tables = embedding_tables(model)
-        if tables is None or len(tables) != 1:
-            return {"ok": False, "compared": True, "model": name,
-                    "reason": f"model {name!r} gathers its token embeddings other than the source does"}
-        why = compare_tables(reference[0], tables[0], equal)
+        why = model_differs(reference, model, equal)
         if why is not None:
             return {"ok": False, "compared": True, "model": name, "reason": f"model {name!r}: {why}"}
     return {"ok": True, "compared": True, "reason": f"every row identical to the source's in {len(compiled)} models"}
