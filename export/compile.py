@@ -159,9 +159,10 @@ def resolve_first(value, devices=("CPU",), chunk=0, rows: str = "static") -> tup
     change on)."""
     if value != "auto":
         return value
-    if not (cpu_only(devices) and chunk):
+    largest = max(chunk) if isinstance(chunk, tuple) else chunk
+    if not (cpu_only(devices) and largest):
         return ()
-    return (max(chunk) if isinstance(chunk, tuple) else chunk,) if rows == "dynamic" else CPU_FIRST
+    return (largest,) if rows == "dynamic" else CPU_FIRST
 
 
 # A first chunk of dynamic rows (--prefill-first-rows auto) at f32: one first-chunk model that
@@ -177,7 +178,8 @@ def resolve_first_rows(value: str, devices=("CPU",), precision: str = "f32", chu
     f32 (`cpu_precision`) and the prefill is chunked (`chunk`, resolved), else "static". A
     device other than the CPU takes static shapes only: "dynamic" there is an error."""
     if value == "auto":
-        return "dynamic" if cpu_only(devices) and chunk and cpu_precision(precision) == "f32" else "static"
+        chunked = max(chunk) if isinstance(chunk, tuple) else chunk
+        return "dynamic" if cpu_only(devices) and chunked and cpu_precision(precision) == "f32" else "static"
     if value == "dynamic" and not cpu_only(devices):
         others = ", ".join(d for d in devices if d != "CPU")
         raise UsageError(f"--prefill-first-rows dynamic is for CPU-only compiles: {others} runs static shapes only "

@@ -201,9 +201,12 @@ def _check_structure(manifest: dict, path: Path) -> None:
     files = manifest["files"]
     if not isinstance(files, dict) or not isinstance(manifest["models"], dict) or "prefill" not in manifest["models"]:
         raise bad("malformed files or models", expected="objects, with a prefill model")
-    for name, entry in files.items():
+    def outside(name: str) -> bool:
         rel = Path(name)
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        return rel.is_absolute() or ".." in rel.parts or not rel.parts
+
+    for name, entry in files.items():
+        if outside(name):
             raise bad(f"file {name!r} is outside the compiled directory", expected="a relative path inside it")
         if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
                 and isinstance(entry.get("sha256"), str)):
@@ -222,6 +225,9 @@ def _check_structure(manifest: dict, path: Path) -> None:
         raise bad("malformed blob_check", expected="a list of results", found=repr(blob_check)[:80])
     if not isinstance(manifest["weights"], str):
         raise bad("weights is not a file name", expected="a string", found=repr(manifest["weights"])[:80])
+    if outside(manifest["weights"]):
+        raise bad(f"weights {manifest['weights']!r} is outside the compiled directory",
+                  expected="a relative path inside it")
     named = [manifest["weights"]]
     for model_name, model in manifest["models"].items():
         _check_model(model_name, model, bad)

@@ -215,8 +215,13 @@ def plan_lengths(max_prompt_len: int | None = None, min_response_len: int | None
         room = max_positions - min_response_len
         step = max([step] + [b for b in bulk if room // b * b > b][-1:])  # the largest bulk chunk that still fits
         lowered = max(step, room // step * step)
-        notes.append(f"max prompt length {max_prompt_len} lowered to {lowered} so that P + R fits the model's "
-                     f"{max_positions} positions (config.json); --max-prompt-len sets it")
+        if lowered <= room:
+            notes.append(f"max prompt length {max_prompt_len} lowered to {lowered} so that P + R fits the model's "
+                         f"{max_positions} positions (config.json); --max-prompt-len sets it")
+        else:  # not even one step fits: the least P, and the compile's warning says P + R does not fit
+            notes.append(f"max prompt length {max_prompt_len} lowered to {lowered}, the least it can be: P + R "
+                         f"cannot fit the model's {max_positions} positions (config.json) with a min response "
+                         f"length of {min_response_len}")
         max_prompt_len = lowered
     if max_prompt_len <= 0 or min_response_len <= 0:
         raise UsageError(f"max prompt length and min response length must be positive "

@@ -482,6 +482,9 @@ def read_plan(path: str | Path) -> dict:
             or not isinstance(L.get("variants"), list) or not L["variants"]
             or not all(count(v) and v > 1 for v in L["variants"])):
         raise UsageError(f"{path}: malformed lengths {json.dumps(L)[:120]}")
-    plan_lengths(L["max_prompt_len"], L["min_response_len"], chunk, tuple(L["variants"]), first=tuple(first))
+    try:
+        plan_lengths(L["max_prompt_len"], L["min_response_len"], chunk, tuple(L["variants"]), first=tuple(first))
+    except UsageError as exc:
+        raise UsageError(f"{path}: {exc}") from None
     return {**{k: L[k] for k in ints}, "prefill_chunk_size": chunk, "prefill_first": tuple(first),
             "variants": tuple(L["variants"])}

@@ -131,6 +131,17 @@ def test_bad_prefill_chunk_sizes_are_usage_errors(tmp_path, value, says):
     assert says in kvc("compile", "-o", tmp_path / "x", *SMALL, "--prefill-chunk-size", value, code=2).output
 
 
+def test_repeated_prefill_chunk_sizes_count_once():
+    """"0,0" is the whole prompt at once (it blamed first chunks of size 0), "32,32,256" one
+    chunk and one bulk chunk; the auto first chunks follow the chunks as resolved."""
+    from kvc.cli.options import _chunk_value
+    from kvc.export.compile import resolve_first, resolve_first_rows
+
+    assert _chunk_value(None, None, "0,0") == 0 and _chunk_value(None, None, "256,32,32") == (32, 256)
+    assert resolve_first("auto", ("CPU",), (0, 0), "dynamic") == ()
+    assert resolve_first_rows("auto", ("CPU",), "f32", (0, 0)) == "static"
+
+
 def test_compile_json_is_the_manifest(tmp_path):
     out = kvc("compile", fixtures.path("qwen2"), "-o", tmp_path / "o", *SMALL, "--no-verify", "--json").stdout
     manifest = json.loads(out)

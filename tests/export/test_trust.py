@@ -127,6 +127,16 @@ def test_manifest_naming_a_file_outside_the_directory_is_refused(compiled):
     assert "outside the compiled directory" in run(compiled, code=3).output
 
 
+@pytest.mark.parametrize("weights", ["../weights.bin", "/tmp/weights.bin"])
+def test_manifest_weights_outside_the_directory_are_refused_as_such(compiled, weights):
+    """Not blamed on the blobs (which import the directory's weights.bin, as they should)."""
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["weights"] = weights
+    (compiled / MANIFEST).write_text(dumps(m))
+    out = run(compiled, code=3).output
+    assert f"weights {weights!r} is outside the compiled directory" in out and "blob" not in out
+
+
 def test_manifest_using_an_unlisted_file_is_refused(compiled):
     m = json.loads((compiled / MANIFEST).read_text())
     del m["files"]["weights.bin"]

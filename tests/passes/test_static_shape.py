@@ -42,6 +42,9 @@ def test_default_lengths_fit_the_models_positions():
     assert plan_lengths(max_positions=1000).prompt == 832  # 872 down to a multiple of 64
     assert plan_lengths(chunk=256, max_positions=1000).prompt == 768
     assert plan_lengths(max_positions=100).prompt == 64  # not below one step: beyond, and warned
+    assert plan_lengths(max_positions=1).notes == (  # and the note does not claim it fits
+        "max prompt length 1024 lowered to 64, the least it can be: P + R cannot fit the model's 1 positions "
+        "(config.json) with a min response length of 128",)
     assert plan_lengths(1024, max_positions=256).prompt == 1024  # asked for: kept
     assert plan_lengths(None, 64, max_positions=256).prompt == 1024
 

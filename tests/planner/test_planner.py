@@ -4,6 +4,7 @@ finds what the costs favour within the budget, and plan files are checked and ap
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -252,7 +253,7 @@ def test_malformed_costs_and_plans_are_refused(tmp_path):
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps({"format": "kvc-plan/1", "lengths": {"max_prompt_len": 64, "min_response_len": 64,
                                                                     "prefill_chunk_size": 48, "variants": [128]}}))
-    with pytest.raises(UsageError, match="power of two"):
+    with pytest.raises(UsageError, match=f"^{re.escape(str(bad))}: prefill chunk size must be a power of two"):
         read_plan(bad)
     bad.write_text("{}")
     with pytest.raises(UsageError, match="not a kvc plan"):
