@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvc import __version__, jsontext
-from kvc.errors import OutputError, UsageError, VerificationError
+from kvc.errors import InvalidModelError, OutputError, UsageError, VerificationError
 from kvc.export.blob_cache import BlobCache, blob_key, const_ranges, group_key, keyable
 from kvc.export.branches import branch_groups
 from kvc.export.build import build_static, common_passes
@@ -470,6 +470,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     sources = source_files(model_path)
     for f in sources:
         hashes.start(f)
+    check_side_files(resolve(model_path).root)
     stated = model_max_positions(resolve(model_path).root)
     options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
     _phase(options, "passes, save the IR", work)
@@ -676,6 +677,26 @@ def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], de
             progress(f"compiled for {device} ({i}/{len(units)}): {label}")
         blobs.update(dict.fromkeys(unit, entry))
     return blobs
+
+
+def check_side_files(source_dir: Path) -> None:
+    """Each JSON file of TOKENIZER_FILES in `source_dir` must be a JSON object, else exit 3
+    (bad-config) naming it: kvc reads config.json for the positions and sliding window the
+    verification probes, generation_config.json for the EOS that ends `kvc run` and the ids
+    every probe feeds, and a truncated one read as absent, silently (no window probe, no EOS).
+    The copies in OUT are hashed, so what is checked here is what kvc run reads back."""
+    for name in TOKENIZER_FILES:
+        path = source_dir / name
+        if not name.endswith(".json") or not path.is_file():
+            continue
+        try:
+            data = jsontext.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidModelError("bad-config", str(path), f"cannot be read as JSON ({exc})",
+                                    expected="a JSON object", found=f"{path.stat().st_size} bytes") from None
+        if not isinstance(data, dict):
+            raise InvalidModelError("bad-config", str(path), "is not a JSON object", expected="a JSON object",
+                                    found=type(data).__name__)
 
 
 def _copy_tokenizer(source_dir: Path, work: Path) -> list[str]:

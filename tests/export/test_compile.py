@@ -469,6 +469,20 @@ def test_force_never_replaces_the_source_model(tmp_path):
     assert sorted(p.name for p in src.iterdir()) == files
 
 
+@pytest.mark.parametrize("name, text", [("generation_config.json", '{"eos_token_id": 2'),
+                                        ("config.json", "[1, 2]"), ("tokenizer.json", '{"model": "\xff')])
+def test_a_config_file_that_is_not_a_json_object_is_refused_before_the_work(tmp_path, name, text):
+    """A truncated generation_config.json was read as absent (no EOS for kvc run, no special
+    ids in the probes), a broken config.json dropped the window probe: refused, exit 3, naming
+    the file, and nothing written."""
+    src = tmp_path / "m"
+    shutil.copytree(fixtures.path("llama"), src)
+    (src / name).write_text(text)
+    out = kvc("compile", src, "-o", tmp_path / "out", *CLI_SMALL, code=3).output
+    assert f"{src / name}: " in out and "[bad-config]" in out and "running passes" not in out, out
+    assert not (tmp_path / "out").exists()
+
+
 def test_force_replaces_a_symlink_at_out_but_never_the_working_directory(tmp_path, monkeypatch):
     """OUT a symlink: the link is replaced by the compile (what it pointed to is kept), not an
     internal error after publishing with `.out.old-PID` left. `-o .` crashed after the whole
