@@ -82,7 +82,8 @@ def device_config(device: str, *, for_export: bool, precision: str = "f32") -> d
 NPUW_WEIGHTLESS = {"NPUW_CWAI": "YES", "NPUW_FUNCALL_FOR_ALL": "YES"}
 
 
-def export_config(device: str, precision: str, weights_sha256: Callable[[], str]) -> dict:
+def export_config(device: str, precision: str, weights_sha256: Callable[[], str],
+                  integer_weights: bool = True) -> dict:
     """How `kvc compile` compiles the blobs for `device` (`device_config`), with NPUW's weights
     bank named for the weights file's content (`weights_sha256`, asked only for NPUW).
 
@@ -95,11 +96,33 @@ def export_config(device: str, precision: str, weights_sha256: Callable[[], str]
     alternating fresh processes) peaked at 3992 MB and held 2974 after a prompt, in 3.7-5.0 s;
     named, 3054 MB and 2036, in 1.9-2.2 s, the same tokens and logits. The name is the first 16
     hex digits of the weights' sha256, so models of two directories never share a bank unless
-    their weights are the same bytes."""
+    their weights are the same bytes.
+
+    The CPU plugin's default quantizes activations to 8 bits where weights are stored as
+    integers (DYNAMIC_QUANTIZATION_GROUP_SIZE 32): a deployment's choice, kept for int8 and int4
+    weights and judged as reduced arithmetic (`kvc.runtime.compare.dynamic_quantization`).
+    Without `integer_weights` it changes nothing, and the CPU blobs say so with a group size of
+    0: computing at f32, they are judged exactly."""
     config = device_config(device, for_export=True, precision=precision)
+    if device == "CPU" and not integer_weights:
+        config.setdefault("DYNAMIC_QUANTIZATION_GROUP_SIZE", "0")
     if config.get("NPU_USE_NPUW") == "YES":
         config["NPUW_WEIGHTS_BANK"] = f"kvc-{weights_sha256()[:16]}"
     return config
+
+
+# The element types NNCF stores int8 and int4 weights in (a Convert decompresses them).
+_INTEGER_WEIGHTS = frozenset({"i8", "u8", "i4", "u4"})
+
+
+def integer_weights(model) -> bool:
+    """Whether `model` holds weights stored as integers: a Constant of i8, u8, i4 or u4 that a
+    Convert decompresses (NNCF's int8 and int4 formats)."""
+    for op in model.get_ops():
+        if (op.get_type_name() == "Constant" and op.get_output_element_type(0).get_type_name() in _INTEGER_WEIGHTS
+                and any(t.get_node().get_type_name() == "Convert" for t in op.output(0).get_target_inputs())):
+            return True
+    return False
 
 
 def blob_name(model: str, device: str) -> str:
@@ -173,13 +196,20 @@ def resolve_first(value, devices=("CPU",), chunk=0, rows: str = "static") -> tup
 # one 97 against 90; the chunk and bulk calls no slower beside a dynamic body (32 rows 144-155
 # against 146-163 ms). One If body fewer to compile, probe and import. At bf16 the static first
 # chunks stay (measured on an AVX512_BF16 host this one is not).
-def resolve_first_rows(value: str, devices=("CPU",), precision: str = "f32", chunk=0) -> str:
+def resolve_first_rows(value: str, devices=("CPU",), precision: str = "f32", chunk=0, selects: bool = False) -> str:
     """--prefill-first-rows auto: "dynamic" when every device is the CPU, its blobs compute at
-    f32 (`cpu_precision`) and the prefill is chunked (`chunk`, resolved), else "static". A
-    device other than the CPU takes static shapes only: "dynamic" there is an error."""
+    f32 (`cpu_precision`), the prefill is chunked (`chunk`, resolved) and the model does not
+    select (a TopK router, `source_selects`), else "static". A device other than the CPU takes
+    static shapes only: "dynamic" there is an error.
+
+    Not for a mixture of experts: OpenVINO 2026.4.1's CPU plugin rewrites Qwen3-MoE's batched
+    experts in a body of dynamic rows into its internal GatherMatmul, and then cannot import the
+    blob it exported ("Cannot create GatherMatmul layer ... from unsupported opset:
+    extension"); with static rows the same model compiles, imports and verifies."""
     if value == "auto":
         chunked = max(chunk) if isinstance(chunk, tuple) else chunk
-        return "dynamic" if cpu_only(devices) and chunked and cpu_precision(precision) == "f32" else "static"
+        dynamic = cpu_only(devices) and chunked and cpu_precision(precision) == "f32" and not selects
+        return "dynamic" if dynamic else "static"
     if value == "dynamic" and not cpu_only(devices):
         others = ", ".join(d for d in devices if d != "CPU")
         raise UsageError(f"--prefill-first-rows dynamic is for CPU-only compiles: {others} runs static shapes only "
@@ -245,15 +275,16 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
     return "rows" if cpu_bf16(devices, precision) else "as-is"
 
 
-def compile_static(devices=("CPU",), precision: str = "auto", **fields) -> StaticOptions:
-    """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`): the
-    `fields` given, and the prefill chunk, KV type, attention and prefill MLP form, unless
-    given, resolved as its `auto` (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`,
-    `resolve_attention`, `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
+def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = False, **fields) -> StaticOptions:
+    """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`) and a
+    model that `selects` or not (`source_selects`): the `fields` given, and the prefill chunk,
+    KV type, attention and prefill MLP form, unless given, resolved as its `auto`
+    (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`, `resolve_attention`,
+    `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
     fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
-                                                      fields["prefill_chunk_size"])
+                                                      fields["prefill_chunk_size"], selects)
     fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"],
                                             fields["prefill_first_rows"])
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
@@ -490,6 +521,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     from kvc.verify.compiled import probe_cases, selects, special_ids
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
+    integer = integer_weights(static.models["prefill"])  # the static models share their weights
     embedding = _check_embeddings(model_path, static) if options.verify else None
     # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
     # weights.bin); everything after this reads the written IR, so they go now: each later
@@ -499,7 +531,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     def compile_for(device: str) -> None:
         keys = {}
         config = export_config(device, options.inference_precision,
-                               lambda: hashes.entry(work / WEIGHTS_FILE)["sha256"])
+                               lambda: hashes.entry(work / WEIGHTS_FILE)["sha256"], integer)
         if cache is not None:
             digests = hashes.range_digests(work / WEIGHTS_FILE, ranges)
             keys = _blob_keys(texts, digests, device, config)
@@ -596,6 +628,26 @@ def model_window(source_dir: Path) -> int | None:
     if config.get("use_sliding_window") is False or isinstance(window, bool) or not isinstance(window, int):
         return None
     return window if window > 0 else None
+
+
+# How a TopK is written in each source format: an IR layer's type attribute; an ONNX node's
+# op_type (NodeProto field 4, a length-delimited string of 4 bytes).
+_TOPK = {"ir": b'type="TopK"', "onnx": b"\x22\x04TopK"}
+
+
+def source_selects(model_path) -> bool:
+    """Whether the source model holds a TopK (a mixture of experts' router), read from its
+    file without loading it (`resolve_first_rows` needs it before the compile loads the model):
+    a scan of the IR's XML or of the ONNX file, in 1 MiB blocks."""
+    files = resolve(model_path)
+    pattern = _TOPK[files.kind]
+    tail = b""
+    with open(files.model, "rb") as f:
+        while block := f.read(1 << 20):
+            if pattern in tail + block:
+                return True
+            tail = block[-len(pattern):]
+    return False
 
 
 def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
@@ -887,18 +939,22 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
             raise VerificationError(
                 f"the {device} blobs do not reproduce the static IR: {probe_label(bad)}: "
                 f"{bad['reason']}; nothing was written (kvc compile --device CPU --no-verify and "
-                f"kvc run --from-ir to compare{_bf16_hint(manifest, device)})")
+                f"kvc run --from-ir to compare{_reduced_hint(manifest, device)})")
     return rows, pipeline
 
 
-def _bf16_hint(manifest: dict, device: str) -> str:
+def _reduced_hint(manifest: dict, device: str) -> str:
     """For blobs computing at bf16, how to tell arithmetic drift from a fault: the check allows
     what the plugin's own bf16 run of the source drifts (`kvc.verify.peer_drift`, named in the
     reason), and exact blobs drift not at all."""
-    blob = manifest["models"]["prefill"]["blobs"].get(device) or {}
-    if blob.get("import_config", {}).get("INFERENCE_PRECISION_HINT") != "bf16":
+    from kvc.runtime.compare import dynamic_quantization
+
+    config = (manifest["models"]["prefill"]["blobs"].get(device) or {}).get("import_config", {})
+    below = ("compute at bf16" if config.get("INFERENCE_PRECISION_HINT") == "bf16" else
+             "quantize activations for their integer weights" if dynamic_quantization(config) else None)
+    if below is None:
         return ""
-    return ("; these blobs compute at bf16, which drifts further on some models and long prompts: "
+    return (f"; these blobs {below}, which drifts further on some models and long prompts: "
             "--inference-precision f32 compiles exact ones, and a fault fails there too")
 
 

@@ -126,12 +126,20 @@ def reduced_arithmetic(backend: str, config: dict | None = None) -> bool:
     """Whether a run computes below f32: the NPU plugin (unless `config` runs it through NPUW on
     the CPU at f32, as kvc's NPU blobs run without an NPU), or an OpenVINO `config` whose
     inference precision is not f32 (CPU blobs compiled at the plugin's default: bf16 on hosts
-    with AVX512_BF16 or AMX)."""
+    with AVX512_BF16 or AMX), or one that quantizes activations (`dynamic_quantization`)."""
     config = config or {}
     f32 = config.get("INFERENCE_PRECISION_HINT", "f32") == "f32"
     if backend == "npu":
         return not (f32 and config.get("NPUW_DEVICES") == "CPU")
-    return not f32
+    return not f32 or dynamic_quantization(config)
+
+
+def dynamic_quantization(config: dict | None) -> bool:
+    """Whether an OpenVINO CPU `config` quantizes activations to 8 bits where weights are
+    stored as integers (DYNAMIC_QUANTIZATION_GROUP_SIZE above 0, the plugin's default of 32 on
+    x86): its int8 and int4-per-channel MatMuls are then not f32 arithmetic, whatever the
+    inference precision (kvc compile sets 0 where no weight is an integer, `export_config`)."""
+    return str((config or {}).get("DYNAMIC_QUANTIZATION_GROUP_SIZE", "0")) != "0"
 
 
 def int8_kv(kv_element_types) -> bool:

@@ -164,7 +164,15 @@ class Peer:
 
     @property
     def precision(self) -> str:
-        return str(self.config.get("INFERENCE_PRECISION_HINT", "f32"))
+        """The arithmetic as a reason names it: "bf16", or "f32 (activations quantized to 8 bits
+        in groups of 32)" (`dynamic_quantization`)."""
+        from kvc.runtime.compare import dynamic_quantization
+
+        precision = str(self.config.get("INFERENCE_PRECISION_HINT", "f32"))
+        if dynamic_quantization(self.config):
+            group = self.config["DYNAMIC_QUANTIZATION_GROUP_SIZE"]
+            precision += f" (activations quantized to 8 bits in groups of {group})"
+        return precision
 
     def run(self, prompt, new_tokens: int, origin: int = 0):
         """The peer's greedy run of `prompt` from position `origin` (`source_run`), its cache

@@ -611,6 +611,37 @@ def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
             assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], (backend, prompt["name"])
 
 
+def test_a_mixture_of_experts_compiles_with_the_defaults(tmp_path):
+    """qwen3_moe with kvc compile's defaults: a first chunk of dynamic rows made the CPU plugin
+    export a blob it cannot import (its internal GatherMatmul), exit 5 on every default
+    compile; a model that selects (a TopK router) gets static first chunks instead."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("qwen3_moe"), "-o", out, *CLI_SMALL)
+    assert read_manifest(out)["plan"]["lengths"].get("prefill_first_rows", "static") == "static"
+    dense = tmp_path / "dense"
+    kvc("compile", fixtures.path("llama"), "-o", dense, *CLI_SMALL, "--no-verify")
+    assert read_manifest(dense)["plan"]["lengths"]["prefill_first_rows"] == "dynamic"
+
+
+def test_a_source_that_selects_is_found_in_ir_and_onnx(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kvc.export.compile import source_selects
+
+    assert source_selects(fixtures.path("qwen3_moe")) and not source_selects(fixtures.path("llama"))
+    llama_onnx = fixtures.path("llama").parent / "onnx" / "model.onnx"
+    assert llama_onnx.exists() and not source_selects(llama_onnx)
+    graph = helper.make_graph(
+        [helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=-1)], "router",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 2]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, [1, 2])],
+        [helper.make_tensor("k", TensorProto.INT64, [1], [2])])
+    onnx.save(helper.make_model(graph), tmp_path / "router.onnx")
+    assert source_selects(tmp_path / "router.onnx")
+
+
 def test_a_capacity_past_the_models_max_positions_is_said(tmp_path):
     """mpt's ALiBi table stops at max_seq_len = 256: the pass failure says why, and what to do;
     gpt2's learned positions compile, with a warning."""

@@ -186,3 +186,39 @@ def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypat
     assert ("(by the fixed bounds: OpenVINO CPU's own bf16 run of the source model, which sets them, failed: "
             "cannot compile for CPU: out of memory)") in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["llama_int8", "llama_int4_asym_cw"])
+def test_integer_weights_at_the_plugins_default_are_judged_by_its_own_drift(name, tmp_path):
+    """On a host without bf16 the CPU plugin's default is f32 arithmetic, but with int8 and
+    int4-per-channel weights it quantizes activations to 8 bits (DYNAMIC_QUANTIZATION_GROUP_SIZE
+    32): judged exactly, every default compile of those fixtures was refused ("logits differ by
+    0.0377 > 0.000127"). Now the blobs record the group size, the peer runs the source with
+    it, and the compile publishes; a fault past its drift is still refused (above)."""
+    out = tmp_path / "out"
+    result = kvc("compile", fixtures.path(name), "-o", out, *SMALL, "--inference-precision", "auto")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["models"]["prefill"]["blobs"]["CPU"]["import_config"]["DYNAMIC_QUANTIZATION_GROUP_SIZE"] != "0"
+    assert all(r["ok"] and "peer_nrmse" in r for r in manifest["blob_check"])
+    assert "(activations quantized to 8 bits in groups of" in result.output
+
+
+def test_float_weights_at_the_plugins_default_stay_exact(tmp_path):
+    """Without integer weights the group size changes nothing: kvc compile sets it to 0 and the
+    blobs are judged exactly, with no peer."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--inference-precision", "auto")
+    manifest = json.loads((out / MANIFEST).read_text())
+    config = manifest["models"]["prefill"]["blobs"]["CPU"]["import_config"]
+    assert config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"
+    assert all(r["ok"] and "peer_nrmse" not in r for r in manifest["blob_check"]) or config[
+        "INFERENCE_PRECISION_HINT"] == "bf16"  # a bf16 host's blobs are judged by the peer, as they should be
+
+
+def test_dynamic_quantization_is_reduced_arithmetic():
+    from kvc.runtime.compare import reduced_arithmetic
+
+    assert reduced_arithmetic("openvino", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"})
+    assert not reduced_arithmetic("openvino", {"INFERENCE_PRECISION_HINT": "f32",
+                                               "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
+    assert not reduced_arithmetic("openvino", {"INFERENCE_PRECISION_HINT": "f32"})
