@@ -18,7 +18,7 @@ from kvc.cache.prefix import PrefixCache
 from kvc.cache.serving import CachedPipeline
 from kvc.errors import UsageError
 from kvc.runtime.static_pipeline import PromptTooLongError
-from tests.conftest import fixture_names
+from tests.conftest import COMPRESSED_FORMATS, SAMPLE, fixture_names
 from tests.runtime.test_static_pipeline import C, pipeline
 
 NEW = 3
@@ -44,16 +44,11 @@ def plain_runs(name: str, backend: str):
     return [pipe.generate(prompt, NEW) for _, prompt, _ in workload()]
 
 
-# Every architecture on kvc's runtime and OpenVINO CPU; on the NPU plugin (whose sessions take
-# and give the same KV tensors whatever the model) one of each attention kind: GQA with RoPE,
-# MHA with learned positions, MQA, ALiBi, a sliding window, MoE, sinks with a window; the
-# compressed weights (which change the models' weight subgraphs, not what the cache restores) on
-# OpenVINO CPU.
-NPU_SAMPLE = ("llama", "gpt2", "gpt_bigcode", "bloom", "mistral", "granitemoe", "gpt_oss")
-
-
-@pytest.mark.parametrize("name, backend", [(n, b) for n in fixture_names() for b in ("numpy", "openvino")]
-                         + [(n, "npu") for n in NPU_SAMPLE] + [(n, "openvino") for n in fixtures.COMPRESSED])
+# Every architecture and compressed weight format on kvc's runtime; on OpenVINO CPU and the NPU
+# plugin (whose sessions take and give the same KV tensors whatever the model) the SAMPLE, one of
+# each attention kind, and on OpenVINO CPU one fixture per compressed weight format.
+@pytest.mark.parametrize("name, backend", [(n, "numpy") for n in fixture_names(compressed=True)]
+                         + [(n, "openvino") for n in SAMPLE + COMPRESSED_FORMATS] + [(n, "npu") for n in SAMPLE])
 def test_prefix_cache_gives_the_tokens_of_no_cache(name, backend):
     """The restored blocks were computed by the same chunks a run without the cache computes,
     so the logits are not merely close: they are the same numbers."""
@@ -83,7 +78,7 @@ def test_prefix_cache_over_bulk_chunks_gives_the_tokens_of_no_cache(backend):
 
 
 @pytest.mark.parametrize("backend", ["openvino"])
-@pytest.mark.parametrize("name", fixture_names(compressed=True))
+@pytest.mark.parametrize("name", SAMPLE + COMPRESSED_FORMATS)
 def test_chat_session_gives_the_tokens_of_a_whole_prefill(name, backend):
     """Turns prefill only what follows the stored history; an edited earlier turn rolls the
     cache back to where it diverges. Each turn's tokens equal a fresh prefill of the history."""

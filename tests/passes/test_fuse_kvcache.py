@@ -12,7 +12,7 @@ from kvc import fixtures
 from kvc.passes import Instrumentation, PassManager, parse_pipeline
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
-from tests.conftest import fixture_names
+from tests.conftest import SAMPLE, fixture_names
 from tests.passes.models import kv_model
 
 ATOL = 1e-4
@@ -26,11 +26,9 @@ def op_count(model, op):
     return sum(n.get_type_name() == op for n in model.get_ordered_ops())
 
 
-# Every architecture in two forms; the other forms on one of each attention kind (GQA with RoPE,
-# MHA with learned positions, ALiBi, MQA, MoE): what differs between forms is the beam handling
-# and the backend, not the pattern each architecture's cache update must match (all of them
-# took 150 s of the suite).
-SAMPLE = ("llama", "gpt2", "bloom", "gpt_bigcode", "granitemoe")
+# Every architecture in two forms; the other forms on the SAMPLE: what differs between forms is
+# the beam handling and the backend, not the pattern each architecture's cache update must match
+# (all of them took 150 s of the suite).
 
 
 def every_fixture_in(forms, other_forms) -> list:

@@ -11,7 +11,7 @@ from kvc import fixtures
 from kvc.passes import PassFailure, PassManager, parse_pipeline
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import open_session
-from tests.conftest import fixture_names
+from tests.conftest import SAMPLE, fixture_names
 from tests.passes.models import counter_model, kv_model
 
 
@@ -40,7 +40,8 @@ def test_fixture_matches_openvino(fixture_name):
     ir.core().compile_model(ours, "CPU")
 
 
-@pytest.mark.parametrize("backend", ["numpy", "openvino"])
+@pytest.mark.parametrize("fixture_name, backend", [(n, "numpy") for n in fixture_names()]
+                         + [(n, "openvino") for n in SAMPLE])
 def test_lifted_fixture_reproduces_stateful_tokens(fixture_name, backend):
     golden = fixtures.goldens(fixture_name)
     lifted = open_session(lift(ir.load(fixtures.path(fixture_name))), backend)
