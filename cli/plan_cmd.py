@@ -23,7 +23,7 @@ def costs_cache(path: Path, device: str, precision: str) -> Path:
 
     cache = auto_cache(device, precision)
     key = json.dumps([source_hashes(path), device, precision, openvino_version(), cache["kv_precision"],
-                      cache["attention"], cache["prefill_mlp"], "first_ms", first_rows(device, precision)],
+                      cache["attention"], cache["prefill_mlp"], "first_ms", first_rows(device, precision, path)],
                      sort_keys=True)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvc" / "costs"
     return root / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
@@ -47,7 +47,7 @@ def check_target(costs, path: Path, device: str, precision: str, where: Path) ->
     if t and "first_rows" not in t:  # measured before costs recorded it: static
         t["first_rows"] = "static"
     expected = (("device", device), ("precision", precision), *auto_cache(device, precision).items(),
-                ("first_rows", first_rows(device, precision)))
+                ("first_rows", first_rows(device, precision, path)))
     wrong = [f"{k} {t[k]!r}, not {v!r}" for k, v in expected if k in t and t[k] != v]
     if "model" in t and t["model"] != source_hashes(path):
         wrong.append("another model's files")
@@ -112,9 +112,10 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     from kvc.ir.reader import resolve
     from kvc.planner import first_rows as default_rows
 
-    # as kvc compile resolves its defaults (--prefill-first-rows auto: dynamic on an f32 CPU)
+    # as kvc compile resolves its defaults (--prefill-first-rows auto: dynamic on an f32 CPU, for a
+    # model without a TopK router)
     default_chunk = resolve_chunk("auto", (device,), inference_precision)
-    first_rows = default_rows(device, inference_precision)
+    first_rows = default_rows(device, inference_precision, path)
     default_first = resolve_first("auto", (device,), default_chunk, first_rows)
     stated = model_max_positions(resolve(path).root)
     result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device,

@@ -212,7 +212,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     call_ms, first_ms, step_ms, compile_s, model_bytes = {}, {}, {}, [], []
     for i, chunk in enumerate(chunks):
         chunked = chunk < P
-        rows = first_rows(device, precision) if chunked else "static"
+        rows = first_rows(device, precision, path) if chunked else "static"
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunked else 0,
                                 prefill_first=(chunk,) if chunked else (), prefill_first_rows=rows,
                                 variants=tuple(sizes) if i == 0 else "single", **cache)
@@ -249,19 +249,20 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
-    target = {"device": device, "precision": precision, **cache, "first_rows": first_rows(device, precision),
+    target = {"device": device, "precision": precision, **cache, "first_rows": first_rows(device, precision, path),
               "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target, first_ms)
 
 
-def first_rows(device: str, precision: str) -> str:
+def first_rows(device: str, precision: str, model=None) -> str:
     """The rows of the first chunks `kvc compile` builds for `device` at `precision` with its
     defaults (--prefill-chunk-size and --prefill-first-rows auto): "dynamic" on an f32 CPU,
-    else "static"."""
-    from kvc.export.compile import resolve_chunk, resolve_first_rows
+    else "static", and static for a `model` that selects (`source_selects`)."""
+    from kvc.export.compile import resolve_chunk, resolve_first_rows, source_selects
 
-    return resolve_first_rows("auto", (device,), precision, resolve_chunk("auto", (device,), precision))
+    selects = model is not None and source_selects(model)
+    return resolve_first_rows("auto", (device,), precision, resolve_chunk("auto", (device,), precision), selects)
 
 
 # -- the model of a request ----------------------------------------------------------------

@@ -394,3 +394,14 @@ def test_the_plan_is_never_expected_slower_than_what_a_user_gets(seed):
     assert result["baselines"][0].first == (128,)
     assert all(result["plan"].request_ms <= b.request_ms + 1e-9 for b in result["baselines"])
     assert noisy.step(300) >= noisy.step(256) and noisy.call(64) >= noisy.call(32)
+
+
+def test_first_chunks_are_costed_as_compile_builds_them_for_the_model():
+    """kvc compile builds static first chunks for a model with a TopK router (its CPU blob of
+    dynamic rows cannot be imported): the planner costs them so, as compile resolves them."""
+    from kvc.export.compile import resolve_chunk
+    from kvc.planner import first_rows
+
+    chunked = resolve_chunk("auto", ("CPU",), "f32")
+    assert chunked and first_rows("CPU", "f32", fixtures.path("llama")) == "dynamic"
+    assert first_rows("CPU", "f32", fixtures.path("qwen3_moe")) == "static"
