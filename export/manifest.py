@@ -23,6 +23,7 @@ import openvino as ov
 
 from kvc import jsontext
 from kvc.errors import DeviceError, InvalidModelError, UsageError
+from kvc.ir.validate import check_inside
 from kvc.plan import StaticPlan
 
 MANIFEST = "manifest.json"
@@ -458,13 +459,16 @@ def plan_of(manifest: dict) -> StaticPlan:
 
 
 def check_files(directory: str | Path, manifest: dict, *, sha256: bool = False) -> None:
-    """Every listed file present with its recorded size (and sha256 when asked)."""
+    """Every listed file present, inside the directory once symlinks are followed (else
+    path-escape, as `kvc verify` and every model read refuse it: `kvc run` ran such files when
+    their sizes or hashes matched), with its recorded size (and sha256 when asked)."""
     directory = Path(directory)
     for name, entry in sorted(manifest["files"].items()):
         path = directory / name
         if not path.is_file():
             raise InvalidModelError("file-missing", str(path), "a file of the compiled directory is missing",
                                     expected=f"{entry['bytes']} bytes", found="no file")
+        check_inside(path, directory, str(path), "a file of the compiled directory")
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise InvalidModelError("file-changed", str(path), "the file's size differs from the manifest's",

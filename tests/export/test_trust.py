@@ -127,6 +127,21 @@ def test_manifest_naming_a_file_outside_the_directory_is_refused(compiled):
     assert "outside the compiled directory" in run(compiled, code=3).output
 
 
+@pytest.mark.parametrize("command", ["run", "run-check", "verify"])
+def test_a_compiled_file_that_is_a_symlink_out_of_the_directory_is_refused(compiled, tmp_path, command):
+    """kvc verify refused such a file (path-escape) while kvc run, with or without --check, ran
+    it when its size or hash matched: every command that opens the directory now refuses it."""
+    outside = tmp_path / "elsewhere.bin"
+    shutil.move(compiled / "weights.bin", outside)
+    (compiled / "weights.bin").symlink_to(outside)
+    if command == "verify":
+        out = kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", code=3).output
+    else:
+        out = run(compiled, *(["--check"] if command == "run-check" else []), code=3).output
+    assert "weights.bin: a file of the compiled directory points outside the model directory" in out, out
+    assert "[path-escape]" in out
+
+
 @pytest.mark.parametrize("weights", ["../weights.bin", "/tmp/weights.bin"])
 def test_manifest_weights_outside_the_directory_are_refused_as_such(compiled, weights):
     """Not blamed on the blobs (which import the directory's weights.bin, as they should)."""
