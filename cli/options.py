@@ -150,9 +150,7 @@ def _chunk_value(ctx, param, value):
     """auto, one size, or sizes like 64,512 (the smallest the chunk, the others bulk chunks)."""
     if value == "auto":
         return value
-    sizes = tuple(sorted(set(_sizes(value, "auto, a size >= 0 or sizes like 64,512"))))
-    if len(sizes) > 1 and sizes[0] == 0:
-        raise click.BadParameter(f"0 (the whole prompt at once) cannot be combined with chunks, found {value!r}")
+    sizes = tuple(sorted(set(_sizes(value, "auto, a size >= 0 or sizes like 64,512"))))  # "0,0" is 0
     return sizes[0] if len(sizes) == 1 else sizes
 
 

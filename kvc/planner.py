@@ -210,9 +210,10 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
     config = device_config(device, for_export=False, precision=precision)
     cache = auto_cache(device, precision)  # the KV type and attention `kvc compile` builds
     call_ms, first_ms, step_ms, compile_s, model_bytes = {}, {}, {}, [], []
+    default_rows = first_rows(device, precision, path)  # as kvc compile builds them for this model
     for i, chunk in enumerate(chunks):
         chunked = chunk < P
-        rows = first_rows(device, precision, path) if chunked else "static"
+        rows = default_rows if chunked else "static"
         options = StaticOptions(max_prompt_len=P, min_response_len=R, prefill_chunk_size=chunk if chunked else 0,
                                 prefill_first=(chunk,) if chunked else (), prefill_first_rows=rows,
                                 variants=tuple(sizes) if i == 0 else "single", **cache)
@@ -249,7 +250,7 @@ def measure_costs(model, device: str = "CPU", precision: str = "auto", progress=
                 step_ms[int(name.split("-")[1])] = float(min(times))
             del request, compiled, inputs
         del static
-    target = {"device": device, "precision": precision, **cache, "first_rows": first_rows(device, precision, path),
+    target = {"device": device, "precision": precision, **cache, "first_rows": default_rows,
               "openvino": openvino_version(),
               "model": source_hashes(path)}
     return Costs(call_ms, step_ms, float(np.median(compile_s)), int(np.median(model_bytes)), target, first_ms)

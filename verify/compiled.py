@@ -39,9 +39,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
     at most P), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
     what fits), the generate models' probe; then prompts until every chunk model has run over a
-    real past and every first-chunk model has run (`_model_probes`), each generating BULK_TOKENS: the last call's own token and
-    one step that reads every row it wrote (with 8, six more steps on each engine: 0.9 s of a
-    19 s compile of the 250M model, proving what the short probe proves). With a chunk C alone
+    real past and every first-chunk model has run (`_model_probes`), each generating
+    BULK_TOKENS: the last call's own token and one step that reads every row it wrote (with 8,
+    six more steps on each engine: 0.9 s of a 19 s compile of the 250M model, proving what the
+    short probe proves). With a chunk C alone
     that is C + 9 tokens, a full chunk and then a partial one over its rows (with 7 and 33
     tokens at a chunk of 64, a prefill that ignored its past passed); with a bulk chunk B,
     B + 9, which `prefill_calls` splits into C and a call of B over its rows (the split costs
