@@ -57,8 +57,8 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     where = (f"; first diverging tensor: {tensor['tensor']} (max abs {tensor['max_abs']:.3g}, shape {tensor['shape']})"
              if tensor else "; no tensor to pair (the model before it is not static)" if bad.branch != "common" else "")
     what = f"the outputs (max abs {bad.max_abs:.3g})"
-    if bad.reason:  # the embedding table: the probe's outputs need not show it
-        what, where = "the model", f": {bad.reason}"
+    if bad.reason:  # an embedding row or a weight (verify/weights.py): the probe's outputs need not show it
+        what, where = "the model", f": {bad.reason}{where}"
     if not as_json:
         click.echo(f"first bad pass: {bad.spec} ({bad.branch}, pass {bad.index}){where}")
     raise VerificationError(f"pass {bad.spec} changes {what}{where}")

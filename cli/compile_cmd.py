@@ -147,8 +147,9 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
         for r in v["results"]:
             click.echo(f"verification: {probe_label(r)}, {r['new_tokens']} new: {r['reason']} "
                        f"(max abs {r['max_abs']:.2g})")
-        if isinstance(v.get("embedding"), dict):
-            click.echo(f"verification: embedding table: {v['embedding'].get('reason')}")
+        for key, label in (("embedding", "embedding table"), ("weights", "weights")):
+            if isinstance(v.get(key), dict):
+                click.echo(f"verification: {label}: {v[key].get('reason')}")
     for r in manifest.get("blob_check", []):
         click.echo(f"blobs: {r['device']}, {probe_label(r)}, {r['new_tokens']} new "
                    f"(variants {', '.join(map(str, r['variants'])) or '-'}): {r['reason']}")

@@ -92,20 +92,24 @@ def _dash(v):
     return "-" if v is None else v
 
 
+_UNREAD = (("embedding", "embedding table"), ("weights", "weights"))  # verify/weights.py's checks
+
+
 def _finish(report: dict, as_json: bool, headers, row) -> None:
-    embedding = report.get("embedding")
+    unread = [(label, report[key]) for key, label in _UNREAD if report.get(key) is not None]
     if as_json:
         echo_json(report)
     else:
         click.echo(table(headers, [row(r) for r in report["results"]]))
-        if embedding is not None:
-            click.echo(f"embedding table: {embedding['reason']}")
+        for label, check in unread:
+            click.echo(f"{label}: {check['reason']}")
         click.echo("verification: " + ("OK" if report["ok"] else "MISMATCH"))
     if not report["ok"]:
         from kvc.verify.compiled import probe_label
 
-        if embedding is not None and not embedding["ok"]:
-            raise VerificationError(f"mismatch in the embedding table: {embedding['reason']}")
+        for label, check in unread:
+            if not check["ok"]:
+                raise VerificationError(f"mismatch in the {label}: {check['reason']}")
         bad = next(r for r in report["results"] if not r["ok"])
         where = ", ".join(w for w in (bad.get("backend"), probe_label(bad) if "prompt_tokens" in bad else None) if w)
         raise VerificationError(f"mismatch{' on ' + where if where else ''}: {bad['reason']}")

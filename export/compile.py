@@ -522,11 +522,11 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
     integer = integer_weights(static.models["prefill"])  # the static models share their weights
-    embedding = _check_embeddings(model_path, static) if options.verify else None
     # The in-memory graphs hold the source's weights (memory-mapped, resident after the copy into
     # weights.bin); everything after this reads the written IR, so they go now: each later
     # import maps weights.bin again, and a peak with both would count the weights twice more.
     static.models.clear()
+    unread = _check_unread(model_path, work, models) if options.verify else None
 
     def compile_for(device: str) -> None:
         keys = {}
@@ -557,8 +557,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                             specials=special_ids(root, vocab))
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
                                                                 options, progress, compiler, compile_for)
-        if embedding is not None:
-            manifest["verification"]["embedding"] = embedding
+        if unread is not None:
+            manifest["verification"].update(unread)
         for device in options.devices:
             for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
                 hashes.start(work / file)
@@ -886,17 +886,19 @@ def one_blas_thread():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def _check_embeddings(model_path: Path, static) -> dict:
-    """Every row of every static model's token embedding table against the source's, the rows
-    no probe reads (kvc.verify.embedding), in the models as built and saved, before anything
-    else is checked: a mismatch is a VerificationError and nothing is written."""
-    from kvc.verify.embedding import check_embeddings
+def _check_unread(model_path: Path, work: Path, models: dict) -> dict:
+    """What no probe can be trusted to read, in the static IR as written, before the probes run:
+    every row of every model's token embedding table and every weight (an expert the router
+    never picks on the probes), against the source's, byte for byte (kvc.verify.weights). A
+    difference is a VerificationError and nothing is written."""
+    from kvc.verify.weights import check_directory
 
-    embedding = check_embeddings(load(model_path, validate=False), static.models)
-    if not embedding["ok"]:
-        raise VerificationError(f"the compiled pipeline does not reproduce {model_path}: {embedding['reason']}; "
+    unread = check_directory(model_path, work, {"weights": WEIGHTS_FILE, "models": models})
+    bad = next((c for c in unread.values() if not c["ok"]), None)
+    if bad is not None:
+        raise VerificationError(f"the compiled pipeline does not reproduce {model_path}: {bad['reason']}; "
                                 f"nothing was written (kvc bisect to locate)")
-    return embedding
+    return unread
 
 
 def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,

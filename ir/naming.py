@@ -205,6 +205,25 @@ def _base_name(node: ov.Node, naming: Naming) -> tuple[str, bool]:
     return f"{tname}#{h.hexdigest()}", True
 
 
+def hashed_name(node: ov.Node) -> str:
+    """The stable name `canonicalize_friendly_names` gives a node with a counter name (before any
+    ``~k``): ``<Type>#<hash>`` over its type, version and, for a Constant, its type, shape and
+    bytes, else its attributes and the names of the nodes feeding it."""
+    tname = node.get_type_name()
+    h = hashlib.blake2b(digest_size=4)
+    h.update(f"{tname}|{op_version(node)}".encode())
+    if tname == "Constant":
+        h.update(f"|{format_type(node.get_output_element_type(0), node.get_output_partial_shape(0))}"
+                 f"|{const_digest(node)}".encode())
+    else:
+        for k, v in sorted(node_attributes(node).items()):
+            h.update(f"|{k}={format_value(v)}".encode())
+        for inp in node.inputs():
+            src = inp.get_source_output()
+            h.update(f"|<{src.get_node().get_friendly_name()}:{src.get_index()}".encode())
+    return f"{tname}#{h.hexdigest()}"
+
+
 def canonicalize_friendly_names(model: ov.Model, ops: list[ov.Node] | None = None) -> int:
     """Replace counter-made friendly names (``Constant_2638``) by stable ones, so a saved file
     does not depend on which process built the model. Returns how many changed.
@@ -220,19 +239,7 @@ def canonicalize_friendly_names(model: ov.Model, ops: list[ov.Node] | None = Non
         if not is_counter_name(name):
             taken.add(name)
             continue
-        tname = node.get_type_name()
-        h = hashlib.blake2b(digest_size=4)
-        h.update(f"{tname}|{op_version(node)}".encode())
-        if tname == "Constant":
-            h.update(f"|{format_type(node.get_output_element_type(0), node.get_output_partial_shape(0))}"
-                     f"|{const_digest(node)}".encode())
-        else:
-            for k, v in sorted(node_attributes(node).items()):
-                h.update(f"|{k}={format_value(v)}".encode())
-            for inp in node.inputs():
-                src = inp.get_source_output()
-                h.update(f"|<{src.get_node().get_friendly_name()}:{src.get_index()}".encode())
-        new = base = f"{tname}#{h.hexdigest()}"
+        new = base = hashed_name(node)
         if new in taken:  # structurally equal nodes: ~2, ~3, ... in order
             k = next_suffix.get(base, 2)
             while f"{base}~{k}" in taken:

@@ -29,6 +29,8 @@ from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatc
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
 from kvc.verify.embedding import model_differs, source_table
+from kvc.verify.weights import model_differs as weights_differ
+from kvc.verify.weights import weights_of
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
 
 
@@ -41,7 +43,7 @@ class Stage:
     nrmse: float
     ok: bool
     restored: bool = False  # wrong after this pass, right again after a later one of its branch
-    reason: str = ""  # what else is wrong: the token embedding table (verify/embedding.py)
+    reason: str = ""  # what else is wrong: the embedding table or a weight (verify/weights.py)
 
 
 @dataclass
@@ -95,14 +97,15 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
         raise UsageError(f"token id {outside[0]} of --prompt-ids is outside the vocabulary (ids 0 to {vocab - 1})")
     ref_dynamic = dynamic_logits(source, prompt, steps)
     report = BisectReport()
-    # The embedding rows the probe's tokens do not select are compared whole after every pass.
-    embedding = _Embedding(source_table(source))
+    # The embedding rows the probe's tokens do not select, and the experts its router does not
+    # pick, are compared whole after every pass.
+    unread = _Unread(source)
     current = model
     for i, p in enumerate(common_passes(options), start=1):
         before = current.clone()
         current = PassManager([p], use_env=False).run(current).model
         a, n, ok = _judge(ref_dynamic, dynamic_logits(current, prompt, steps), f16=False)
-        why = embedding.changed(current)
+        why = unread.changed(current)
         stage = Stage("common", i, p.spec(), a, n, ok and why is None, reason=why or "")
         report.stages.append(stage)
         if not stage.ok:
@@ -112,24 +115,26 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
     lifted = current
     tokens = rng.integers(1, vocab, 4 * options.lengths().capacity)
     for branch, passes in branch_passes(options).items():
-        if _bisect_branch(report, branch, passes, lifted, tokens, embedding):
+        if _bisect_branch(report, branch, passes, lifted, tokens, unread):
             return report
     return report
 
 
-class _Embedding:
-    """The source's token embedding table, and what differs from it in a model (None: nothing,
-    or no table found in the source to compare)."""
+class _Unread:
+    """What no probe can be trusted to read, as the source has it: the token embedding table
+    and every weight (verify/weights.py); `changed` says what differs from it in a model (None:
+    nothing; a source whose table is not found has only its weights compared)."""
 
-    def __init__(self, table):
-        self.table, self.equal = table, set()
+    def __init__(self, source: ov.Model):
+        self.table, self.weights, self.equal = source_table(source), weights_of(source), set()
 
     def changed(self, model: ov.Model) -> str | None:
-        return None if self.table is None else model_differs(self.table, model, self.equal)
+        why = None if self.table is None else model_differs(self.table, model, self.equal)
+        return why or weights_differ(self.weights, model, self.equal)
 
 
 def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens,
-                   embedding: _Embedding) -> bool:
+                   unread: _Unread) -> bool:
     """Judge each static stage of one branch; True when the branch ends wrong (the culprit is
     the first pass of the run of wrong stages at its end)."""
     model, models, stages = lifted.clone(), [lifted], []
@@ -141,7 +146,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         feed = static_feed(model, lifted, tokens)
         out = NumpySession(model).infer(feed.inputs)["logits"][0][feed.rows]
         a, n, ok = _judge(feed.ref_logits, out, feed.f16)
-        why = embedding.changed(model)
+        why = unread.changed(model)
         stages.append((i, Stage(branch, i, p.spec(), a, n, ok and why is None, reason=why or "")))
     report.stages.extend(s for _, s in stages)
     if not stages or stages[-1][1].ok:

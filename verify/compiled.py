@@ -475,7 +475,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, source_run, stored_rows
-    from kvc.verify.embedding import check_directory
+    from kvc.verify.weights import check_directory
     from kvc.verify.peer_drift import peer_for
 
     directory = Path(directory)
@@ -536,8 +536,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         del pipe
         if backend == "numpy":
             ir_runs = runs
-    embedding = check_directory(source, directory, manifest)  # the rows no probe reads (verify/embedding.py)
+    unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
-            "reference_backend": reference_backend,
-            "backend_configs": configs, "embedding": embedding,
-            "ok": all(r["ok"] for r in rows) and embedding["ok"], "results": rows}
+            "reference_backend": reference_backend, "backend_configs": configs, **unread,
+            "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}

@@ -17,8 +17,6 @@ names the first token ids whose rows differ.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import openvino as ov
 
@@ -120,16 +118,3 @@ def check_embeddings(source: ov.Model, compiled: dict[str, ov.Model]) -> dict:
         if why is not None:
             return {"ok": False, "compared": True, "model": name, "reason": f"model {name!r}: {why}"}
     return {"ok": True, "compared": True, "reason": f"every row identical to the source's in {len(compiled)} models"}
-
-
-def check_directory(source_path: str | Path, directory: Path, manifest: dict) -> dict:
-    """`check_embeddings` of a compiled directory's models (read from its IR over its weights
-    file, unvalidated: its files were written by kvc, or checked against the manifest's
-    sha256) against the source model at `source_path`."""
-    from kvc.ir.reader import load, map_weights
-
-    weights = directory / manifest["weights"]
-    mapped = map_weights(weights)
-    models = {name: load(directory / entry["xml"], weights=weights, mapped=mapped, validate=False)
-              for name, entry in manifest["models"].items()}
-    return check_embeddings(load(source_path, validate=False), models)

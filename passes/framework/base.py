@@ -30,6 +30,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import PassError
+from kvc.ir.naming import is_counter_name
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,17 @@ def reinfer(nodes: list[ov.Node]) -> None:
 
 
 def name_new(out: ov.Node, base: str, keep: set[ov.Node]) -> None:
-    """Name the nodes a rewrite built to compute `out` (everything above it short of `keep`,
-    the nodes it consumes) `base/Type`, `base/Type.2`, ...: readable, stable across runs, and
-    nothing left for `canonicalize_friendly_names` to hash."""
+    """Name the nodes a rewrite built to compute `out` `base/Type`, `base/Type.2`, ...:
+    readable, stable across runs, and nothing left for `canonicalize_friendly_names` to hash.
+    The nodes built are those above `out` that still have OpenVINO's counter names
+    (``Multiply_1234``), short of `keep` (the nodes the rewrite consumes): the walk stops at a
+    node already named, so a rewrite that reads a value computed far upstream (the new key
+    rows, through every earlier layer) does not rename the weights and ops that computed it."""
     stack, seen, counts = [out], set(keep), {}
     while stack:
         for value in stack.pop().input_values():
             src = value.get_node()
-            if src in seen:
+            if src in seen or not is_counter_name(src.get_friendly_name()):
                 continue
             seen.add(src)
             kind = src.get_type_name()

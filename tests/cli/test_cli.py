@@ -470,7 +470,11 @@ def test_bisect_finds_the_broken_pass_and_tensor():
     assert data["first_bad_pass"]["spec"] == "test-perturb-constant"
     # The first value computed from the scaled weight: layer 1's up-projection MatMul output.
     assert data["first_diverging_tensor"]["tensor"] == "442"
-    assert "pass test-perturb-constant changes the outputs" in result.output
+    # The weight itself is compared with the source's after every pass, and named.
+    assert ("pass test-perturb-constant changes the model: its weight "
+            "'self.model.layers.1.mlp.up_proj.weight' (f32 [128, 64]) differs from the source's in 8192 of 8192 "
+            "values, first at [0, 0]") in result.output
+    assert "; first diverging tensor: 442" in result.output
 
 
 def test_bisect_clean_pipeline():

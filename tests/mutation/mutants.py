@@ -85,9 +85,21 @@ def scalar(op) -> float | None:
 
 
 def edit_const(op, fn) -> int:
+    """The constant's readers read fn(its values) instead, computed in the graph: the constant
+    itself, a source weight, keeps the source's bytes, so the fault is the arithmetic's and the
+    probes must find it (kvc.verify.weights refuses an edited weight before any probe runs:
+    `edit_in_place`)."""
+    data = np.array(op.get_data(), copy=True)
+    delta = (fn(data).astype(data.dtype) - data).astype(data.dtype)
+    return reroute(op.output(0), lambda x: ops.add(x, ops.constant(delta, dtype=op.get_element_type())))
+
+
+def edit_in_place(op, fn) -> int:
+    """The constant itself replaced by one holding fn(its values), under its name: what a pass
+    that rewrote a weight would leave."""
     data = np.array(op.get_data(), copy=True)
     new = ops.constant(fn(data).astype(data.dtype), dtype=op.get_element_type())
-    new.set_friendly_name(op.get_friendly_name() + "/mutated")
+    new.set_friendly_name(op.get_friendly_name())
     op.output(0).replace(new.output(0))
     return 1
 
@@ -103,10 +115,11 @@ def scale_weight(model, pattern, factor, where=None) -> int:
 
 
 def scale_matmul_weight(matmul, factor: float) -> int:
-    """`matmul` reads a copy of its constant weight `factor` times larger (the constant's other
-    readers, a tied embedding's Gather, keep it)."""
-    d = np.array(matmul.input_value(1).get_node().get_data()).astype(np.float32) * np.float32(factor)
-    matmul.input(1).replace_source_output(ops.constant(d).output(0))
+    """`matmul` reads its constant weight `factor` times larger, computed in the graph (the
+    constant's other readers, a tied embedding's Gather, read it as it is)."""
+    weight = matmul.input_value(1)
+    factor = ops.constant(np.array(factor, weight.get_element_type().to_dtype()))
+    matmul.input(1).replace_source_output(ops.multiply(weight, factor).output(0))
     return 1
 
 
@@ -290,6 +303,20 @@ def gen_router_gate_1e2(name, model):
                if op.get_type_name() == "Softmax" and op.get_output_partial_shape(0).rank.get_length() == 2]
     return sum(scale_matmul_weight(mm, 1.01) for mm in routers
                if mm.get_type_name() == "MatMul" and mm.input_value(1).get_node().get_type_name() == "Constant")
+
+
+@mutant
+def gen_expert_in_place_1e2(name, model):
+    """generate: expert 3's gate and up weights 1% too large in the constant itself, under its
+    name (a pass that rewrote a weight). No probe need read an expert: tests/export/
+    test_weights_check.py shows one the router never picks passing every probe."""
+    if not generate(name):
+        return 0
+    def f(d):
+        d = d.astype(np.float32)
+        d[3] *= 1.01
+        return d
+    return sum(edit_in_place(op, f) for op in consts(model, r"experts\.gate_up_proj$"))
 
 
 @mutant
