@@ -42,6 +42,7 @@ from kvc.passes.lift_state import LiftState
 from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
 from kvc.passes.mlp_rows import MlpRows
+from kvc.passes.pin_rows import PinRows
 from kvc.passes.rotate_half_rope import RotateHalfRope
 from kvc.passes.static_shape import StaticShape
 from kvc.passes.unmask_pad_rows import UnmaskPadRows
@@ -72,7 +73,7 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
 
     def first_tail() -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v, slice_logits=options.slice_logits)
-        return [kv_io, LowerKVCache(), *([MlpRows()] if options.prefill_mlp == "rows" else [])]
+        return [kv_io, LowerKVCache(), *([MlpRows()] if options.prefill_mlp == "rows" else []), PinRows()]
 
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,

@@ -129,7 +129,7 @@ class KVIO(Pass):
             else:
                 raise self.fail(f"the empty past {c.tensor.input_name} feeds {user.get_type_name()} "
                                 f"'{user.get_friendly_name()}'; it cannot be removed", user)
-        take_over(c.update.output(0), new_rows)
+        take_over(c.update.output(0), _as_shaped(new_rows, c.update.get_output_partial_shape(0)))
         model.remove_parameter(c.param)
         c.param = None  # type: ignore[assignment]
         return rewired
@@ -275,6 +275,20 @@ class KVIO(Pass):
 
 CHANNEL_ABSMAX = "kvc_key_channel_absmax"  # rt_info of a key's past input: comma-separated [heads x depth]
 SCALE_FLOOR = 2.0 ** -24  # the smallest f16 step: an all-zero row keeps a finite, non-zero scale
+
+
+def _as_shaped(value: ov.Output, shape: ov.PartialShape) -> ov.Output:
+    """`value` (the new rows that replace a cache update over an empty past), reshaped to what
+    shape inference knew of the update, `shape`, when that is more: the past input, static
+    but for its rows, told it the KV heads that an ONNX export's [B, L, -1, D] keys leave
+    unknown beside dynamic rows; without it the heads were lost downstream (and every stale
+    type after the pass disagreed with inference)."""
+    if shape.rank.is_dynamic or sum(d.is_dynamic for d in shape) != 1 or value.get_partial_shape() == shape:
+        return value
+    dims = np.array([d.get_length() if d.is_static else -1 for d in shape], np.int64)
+    pinned = ops.reshape(value, ops.constant(dims), False)
+    pinned.set_friendly_name(f"{value.get_node().get_friendly_name()}/as_cache")
+    return pinned.output(0)
 
 
 def scale_name(name: str) -> str:

@@ -5,6 +5,8 @@
     static-but-rows  static, or every input static but the row dimension (1) of the token
                    inputs and the attention mask: a first chunk of dynamic rows
                    (static-shape{rows=dynamic} ensures it)
+    outputs-but-rows  every output static but at most one dimension, its rows (pin-rows
+                   ensures it)
     standard-ops   no kvc custom op (KVCache) is left: any OpenVINO device can compile it
 
 Each check returns None when the invariant holds, else the reason naming the first node
@@ -64,6 +66,15 @@ def _static_but_rows(model: ov.Model) -> str | None:
     return None
 
 
+def _outputs_but_rows(model: ov.Model) -> str | None:
+    for port in model.outputs:
+        shape = port.get_partial_shape()
+        if shape.rank.is_dynamic or sum(d.is_dynamic for d in shape) > 1:
+            return (f"output {port.get_any_name()} is dynamic (shape {shape}) beyond its rows; run pin-rows (an If "
+                    f"pads each dynamic dimension of a first chunk's outputs to its rows)")
+    return None
+
+
 def _standard_ops(model: ov.Model) -> str | None:
     from kvc.ir.custom_ops import CUSTOM_OPS
 
@@ -78,6 +89,7 @@ INVARIANTS: dict[str, Callable[[ov.Model], str | None]] = {
     "stateless": _stateless,
     "static": _static,
     "static-but-rows": _static_but_rows,
+    "outputs-but-rows": _outputs_but_rows,
     "standard-ops": _standard_ops,
 }
 

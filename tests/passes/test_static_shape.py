@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
@@ -320,3 +321,43 @@ def test_shape_constants_that_do_not_follow_the_inputs_fall_back_to_openvinos_re
     static = PassManager(parse_pipeline("static-shape{kind=prefill,prompt=64}"), use_env=False).run(model).model
     port = next(p for p in static.outputs if "flat_ids" in p.get_names())
     assert list(port.get_shape()) == [64]
+
+
+# -- pin-rows ---------------------------------------------------------------------------------
+FIRST = "lift-state,static-shape{kind=prefill,prompt=32,rows=dynamic},kv-io,lower-kvcache"
+
+
+def test_kv_io_keeps_the_kv_heads_of_an_onnx_first_chunk():
+    """An ONNX export reshapes the new keys to [B, L, -1, D]: with L dynamic, inference loses
+    the heads that the empty past it removes told it, which the If would have padded to the
+    first chunk's rows (every later type was stale, which check mode refused)."""
+    model = PassManager(parse_pipeline(FIRST), use_env=False).run(ir.load(fixtures.path("llama", "onnx"))).model
+    ports = {p.get_any_name(): str(p.get_partial_shape()) for p in model.outputs}
+    assert ports["present.0.key"] == "[1,2,?,16]" and ports["present.1.value"] == "[1,2,?,16]"
+
+
+def test_pin_rows_sets_the_batch_gpt2s_onnx_logits_lost():
+    model = PassManager(parse_pipeline(FIRST.replace("kv-io", "kv-io{slice_logits=true}")),
+                        use_env=False).run(ir.load(fixtures.path("gpt2", "onnx"))).model
+    logits = next(p for p in model.outputs if p.get_any_name() == "logits")
+    assert str(logits.get_partial_shape()) == "[?,1,384]"
+    run_ = PassManager(parse_pipeline("pin-rows"), use_env=False).run(model)
+    assert run_.model is model and str(logits.get_partial_shape()) == "[1,1,384]"
+    assert next(p for p in model.outputs if p.get_any_name() == "present.0.key").get_partial_shape() \
+        == ov.PartialShape([1, 4, -1, 16])
+
+
+def test_pin_rows_leaves_an_ir_first_chunk_as_it_is():
+    model = run("llama", FIRST + ",pin-rows")
+    assert not any("pin_rows" in op.get_friendly_name() for op in model.get_ordered_ops())
+
+
+def test_pin_rows_refuses_an_output_with_two_dimensions_that_follow_the_rows():
+    from kvc.passes.pin_rows import PinRows
+
+    ids = ops.parameter([1, -1], np.float32, name="input_ids")
+    rows = ops.reshape(ids, ops.constant(np.array([-1, 1], np.int64)), False)
+    square = ops.matmul(rows, ids, False, False)  # [?, ?]
+    model = ov.Model([square], [ids])
+    with pytest.raises(PassFailure, match=r"2 of its dimensions follow the rows \(\[1, 1\] with one row, \[2, 2\]"):
+        PassManager([PinRows()], use_env=False).run(model)
