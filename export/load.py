@@ -129,13 +129,24 @@ class _Imports:
                 compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()),
                                                              device, config)
         except RuntimeError as exc:
-            raise DeviceError(f"cannot import {blob['file']} on {device}: {openvino_reason(exc)}") from None
+            reason = openvino_reason(exc)
+            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}{_import_hint(reason)}") from None
         if "branches" in blob:
             entries = {m: self.manifest["models"][m] for m in blob["branches"]}
             check_ports(directory, "+".join(blob["branches"]), branch_ports(entries), compiled.inputs, compiled.outputs)
         else:
             check_ports(directory, name, self.manifest["models"][name], compiled.inputs, compiled.outputs)
         return compiled
+
+
+def _import_hint(reason: str) -> str:
+    """What to do about an import failure kvc knows (`resolve_first_rows`): the CPU plugin
+    2026.4.1 compiles a mixture of experts over dynamic rows into its internal GatherMatmul,
+    then cannot import that blob."""
+    if "GatherMatmul" in reason and "unsupported opset" in reason:
+        return ("; this CPU plugin cannot import the mixture of experts it compiled over a first chunk of dynamic "
+                "rows: compile with --prefill-first-rows static (auto is static for a model with a TopK router)")
+    return ""
 
 
 def _ir_config(blob: dict | None, device: str) -> dict:

@@ -621,6 +621,11 @@ def test_a_mixture_of_experts_compiles_with_the_defaults(tmp_path):
     dense = tmp_path / "dense"
     kvc("compile", fixtures.path("llama"), "-o", dense, *CLI_SMALL, "--no-verify")
     assert read_manifest(dense)["plan"]["lengths"]["prefill_first_rows"] == "dynamic"
+    # Asked for anyway, the plugin's import failure comes with what to do (OpenVINO 2026.4).
+    result = kvc("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "asked", *CLI_SMALL,
+                 "--prefill-first-rows", "dynamic", code=5)
+    assert "Cannot create GatherMatmul layer" in result.output
+    assert "compile with --prefill-first-rows static (auto is static for a model with a TopK router)" in result.output
 
 
 def test_a_source_that_selects_is_found_in_ir_and_onnx(tmp_path):
