@@ -103,16 +103,17 @@ def model_differs(reference: list, model: ov.Model, equal: set) -> str | None:
     return compare_tables(reference, tables[0], equal)
 
 
-def check_embeddings(source: ov.Model, compiled: dict[str, ov.Model]) -> dict:
+def check_embeddings(source: ov.Model, compiled: dict[str, ov.Model], equal: set | None = None) -> dict:
     """Each compiled model's tables against the source's: {"ok", "compared", "reason"}.
-    `compared` is False when the source's table is not found (nothing is claimed then)."""
+    `compared` is False when the source's table is not found (nothing is claimed then).
+    `equal`: buffers already found equal (`compare_tables`; kvc.verify.weights fills it)."""
     if not compiled:
         raise ValueError("no compiled model to compare")
     reference = source_table(source)
     if reference is None:
         return {"ok": True, "compared": False,
                 "reason": "the source's token embedding table was not found (an input_ids Gather over constants)"}
-    equal: set = set()
+    equal = set() if equal is None else equal
     for name, model in sorted(compiled.items()):
         why = model_differs(reference, model, equal)
         if why is not None:

@@ -143,15 +143,17 @@ def model_differs(reference: dict[str, list[ov.Node]], model: ov.Model, equal: s
     return None
 
 
-def check_weights(source: ov.Model, compiled: dict[str, ov.Model], files: Files = Files([])) -> dict:
+def check_weights(source: ov.Model, compiled: dict[str, ov.Model], files: Files = Files([]),
+                  equal: set | None = None) -> dict:
     """Each compiled model's weights against the source's: {"ok", "compared", "reason"} (and
     "model" when one differs). `compared`: how many of the source's weights; `files`: the
-    weights files the models are mapped over, read from the file."""
+    weights files the models are mapped over, read from the file; `equal`: filled with the
+    (source, compiled) buffers found equal (`model_differs`)."""
     if not compiled:
         raise ValueError("no compiled model to compare")
     reference = weights_of(source)
     count = sum(map(len, reference.values()))
-    equal: set = set()
+    equal = set() if equal is None else equal
     for name, model in sorted(compiled.items()):
         why = model_differs(reference, model, equal, files)
         if why is not None:
@@ -165,7 +167,9 @@ def check_directory(source_path: str | Path, directory: Path, manifest: dict) ->
     IR over its weights file, unvalidated: written by kvc, or checked against the manifest's
     sha256) against the source model at `source_path`: {"embedding": `check_embeddings`,
     "weights": `check_weights`}. The source is loaded once for both; both weights files are
-    mapped once and their weights read from the files (`Files`)."""
+    mapped once and their weights read from the files (`Files`), the weights first: the
+    embedding check then compares only a table they found different (to name its rows), not
+    again through the mappings one they found equal."""
     from kvc.ir.reader import load, map_weights, resolve
     from kvc.verify.embedding import check_embeddings
 
@@ -177,8 +181,8 @@ def check_directory(source_path: str | Path, directory: Path, manifest: dict) ->
     source_bin = files.weights if files.kind == "ir" and files.weights is not None and files.weights.exists() else None
     source_mapped = map_weights(source_bin) if source_bin is not None else None
     source = load(source_path, validate=False, mapped=source_mapped)
-    embedding = check_embeddings(source, models)
-    read = Files([(mapped, weights), (source_mapped, source_bin)])
-    result = {"embedding": embedding, "weights": check_weights(source, models, read)}
+    equal: set = set()
+    weights_result = check_weights(source, models, Files([(mapped, weights), (source_mapped, source_bin)]), equal)
+    result = {"embedding": check_embeddings(source, models, equal), "weights": weights_result}
     del models, source  # before the mappings under their constants
     return result
