@@ -7,6 +7,7 @@ import math
 from typing import Iterable, Sequence
 
 import click
+import numpy as np
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -26,6 +27,8 @@ def echo_json(data) -> None:
 
 
 def _strict(value):
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, dict):

@@ -4,8 +4,11 @@
 and each step's top-5 logits; `check` runs it again and fails on any token change but at a
 near-tie (`judge_entry`) or logit drift beyond tolerance (`drift_bound`: 1e-4 on an exact path;
 f16 KV or the NPU plugin: 1e-2 absolute, a generous bound for its rounding; bf16 or f16 CPU
-arithmetic: two units in the last place at the logits' magnitude, at least 1e-2); a NaN or Inf
-anywhere in the logits fails, and is never recorded. The file names the kvc and OpenVINO versions that recorded it.
+arithmetic: two units in the last place at the logits' magnitude, at least 1e-2), the larger of
+the recording run's bound and the checking run's (goldens recorded from bf16 CPU blobs and checked
+on the exact numpy runtime carry the recording's rounding); a NaN or Inf anywhere in the logits
+fails, and is never recorded. The file names the kvc and OpenVINO versions and the backend and
+arithmetic that recorded it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ FORMAT = "kvc-goldens/1"
 
 def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int = 16, from_ir: bool = False) -> dict:
     pipe = open_compiled(directory, backend, from_ir=from_ir)
+    config = backend_config(read_manifest(Path(directory)), backend, from_ir=from_ir) or {}
     entries = []
     for prompt in prompts:
         n = min(new_tokens, max_new_tokens(pipe.lengths, len(prompt)))
@@ -43,7 +47,8 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
             steps.append([[int(t), round(float(logits[t]), 6)] for t in top])
         entries.append({"ids": [int(t) for t in prompt], "tokens": gen.tokens, "top_logits": steps})
     data = {"format": FORMAT, "kvc_version": __version__, "openvino_version": openvino_version(),
-            "backend": backend, "kv_element_type": pipe.plan.kv[0].element_type, "prompts": entries}
+            "backend": backend, "inference_precision": config.get("INFERENCE_PRECISION_HINT", "f32"),
+            "kv_element_type": pipe.plan.kv[0].element_type, "prompts": entries}
     write_output(path, (json.dumps(data, indent=1) + "\n").encode(), "goldens")
     return data
 
@@ -67,6 +72,14 @@ def drift_bound(data: dict, backend: str, config: dict) -> float:
     return max(1e-2, 2.0 * 2.0 ** (np.floor(np.log2(scale)) - bits))
 
 
+def _recorded_config(data: dict, manifest: dict, from_ir: bool) -> dict:
+    """The arithmetic the goldens were recorded at: as the file says, or (a file from before it
+    said) as the directory's blobs for that backend run."""
+    if "inference_precision" in data:
+        return {"INFERENCE_PRECISION_HINT": data["inference_precision"]}
+    return backend_config(manifest, data["backend"], from_ir=from_ir) or {}
+
+
 def _at(tokens, i):
     return tokens[i] if i < len(tokens) else "(none)"
 
@@ -85,6 +98,9 @@ def load_goldens(path) -> dict:
     if data.get("backend") not in ("numpy", "openvino", "npu"):
         raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which backend recorded them",
                                 expected="numpy, openvino or npu", found=str(data.get("backend"))[:80])
+    if data.get("inference_precision", "f32") not in ("f32", *_MANTISSA_BITS):  # absent before 2026-11-28
+        raise InvalidModelError("bad-goldens", str(path), "the goldens name an arithmetic kvc does not know",
+                                expected="f32, bf16 or f16", found=str(data.get("inference_precision"))[:80])
     for i, entry in enumerate(data["prompts"]):
         if not _entry_ok(entry):
             raise InvalidModelError("bad-goldens", str(path), f"prompt {i} is not a recorded prompt",
@@ -130,7 +146,7 @@ def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
     drifts = [abs(float(logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:upto]) for t, v in step]
     drift = float(np.max(drifts, initial=0.0))  # NaN-propagating, unlike max()
     nonfinite = count_nonfinite(logits)
-    ok = (div is None or near_tie is not None) and not nonfinite and drift <= atol
+    ok = bool((div is None or near_tie is not None) and not nonfinite and drift <= atol)  # atol may be numpy's
     changed = f"token {div} changed: {_at(entry['tokens'], div)} -> {_at(tokens, div)}" if div is not None else ""
     reason = (f"{nonfinite} non-finite logit(s)" if nonfinite
               else f"logit drift {drift:.3g} > {atol}" if not drift <= atol
@@ -155,7 +171,8 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False)
     backend = backend or data["backend"]
     manifest = read_manifest(Path(directory))
     check_files(Path(directory), manifest, sha256=True)
-    atol = drift_bound(data, backend, backend_config(manifest, backend, from_ir=from_ir) or {})
+    atol = max(drift_bound(data, data["backend"], _recorded_config(data, manifest, from_ir)),
+               drift_bound(data, backend, backend_config(manifest, backend, from_ir=from_ir) or {}))
     pipe = pipeline_from(Path(directory), manifest, backend, from_ir=from_ir)
     for i, entry in enumerate(data["prompts"]):  # ids the model has (a recorded id past it was exit 1)
         beyond = [t for t in (*entry["ids"], *entry["tokens"], *(t for step in entry["top_logits"] for t, _ in step))

@@ -400,6 +400,34 @@ def test_goldens_accept_a_changed_token_only_at_a_near_tie():
     assert not judge_entry(entry, *run([6, 9], {5: 9.998, 6: 9.999, 1: 4.0}, later=np.nan), atol=0.01)["ok"]
     assert judge_entry(entry, *run([5, 7], {5: 10.0, 6: 9.995, 1: 4.0}, later=0.0), atol=0.01)["reason"] \
         .startswith("logit drift")  # step 1's recorded 3.0 read as 0.0
+    # the bf16 bound is numpy's: a numpy bool stopped `kvc verify --goldens --json` (internal error)
+    assert type(judge_entry(entry, *run([5, 7], {5: 10.0, 6: 9.995, 1: 4.0}, 3.0), atol=np.float32(0.01))["ok"]) is bool
+
+
+def test_goldens_recorded_at_bf16_are_checked_with_the_recordings_rounding(compiled, tmp_path):
+    """Goldens recorded from bf16 CPU blobs and checked on numpy's exact run failed by the
+    recording's own rounding (drift 0.015-0.024 against f16 KV's 1e-2): the bound is the larger
+    of the recording arithmetic's (named in the file) and the checking run's."""
+    from kvc.export.compile import cpu_precision
+    from kvc.verify.goldens import drift_bound
+
+    goldens = tmp_path / "goldens.json"
+    kvc("verify", compiled, "--record", goldens, "--backends", "openvino", "--max-new-tokens", "4")
+    assert json.loads(goldens.read_text())["inference_precision"] == cpu_precision("auto")  # the blobs'
+    kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "4")
+    data = json.loads(goldens.read_text())
+    assert data["inference_precision"] == "f32"
+    bf16 = drift_bound(data, "openvino", {"INFERENCE_PRECISION_HINT": "bf16"})
+    assert bf16 > 0.02, bf16  # room between f16 KV's 1e-2 and bf16's bound at these logits
+    for entry in data["prompts"]:  # every recorded logit off by 0.015: a bf16 recording's rounding
+        entry["top_logits"] = [[[t, v + 0.015] for t, v in step] for step in entry["top_logits"]]
+    for precision, code in (("bf16", 0), ("f32", 4)):
+        goldens.write_text(json.dumps({**data, "backend": "openvino", "inference_precision": precision}))
+        report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", "--json",
+                                code=code).stdout)
+        assert report["ok"] is (code == 0) and all(r["backend"] == "numpy" for r in report["results"])
+    goldens.write_text(json.dumps({**data, "inference_precision": "int4"}))
+    assert "an arithmetic kvc does not know" in kvc("verify", compiled, "--goldens", goldens, code=3).output
 
 
 def test_goldens_drift_bound_follows_the_arithmetic():
@@ -716,3 +744,5 @@ def test_json_output_is_strict_json_with_nan_and_infinities_spelled_out(capsys):
     echo_json({"max_abs": float("nan"), "rows": [float("inf"), -float("inf"), 1.5], "ok": False})
     assert json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
         "max_abs": "NaN", "rows": ["Infinity", "-Infinity", 1.5], "ok": False}
+    echo_json({"ok": np.True_, "drift": np.float32(np.nan), "steps": np.int64(3)})  # numpy's scalars as Python's
+    assert json.loads(capsys.readouterr().out) == {"ok": True, "drift": "NaN", "steps": 3}
