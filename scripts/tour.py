@@ -27,9 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TOUR = ROOT / "docs" / "tour.md"
 BLOCK = re.compile(r"```console\n(\$ [^\n]*)\n(.*?)```", re.S)
 # What a fresh run may print differently on another machine or run: timings, sizes of
-# compiled blobs (they carry the host's ISA), and the digits of logit errors.
+# compiled blobs (they carry the host's ISA), and the digits of logit errors; then the padding
+# of a table's columns and the length of its rule, which follow those digits' widths.
 VARIES = [
     (re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?"), "<n>"),
+    (re.compile(r" {2,}"), "  "),
+    (re.compile(r"-{3,}"), "---"),
 ]
 
 

@@ -614,15 +614,17 @@ def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
 def test_a_mixture_of_experts_compiles_with_the_defaults(tmp_path):
     """qwen3_moe with kvc compile's defaults: a first chunk of dynamic rows made the CPU plugin
     export a blob it cannot import (its internal GatherMatmul), exit 5 on every default
-    compile; a model that selects (a TopK router) gets static first chunks instead."""
+    compile; a model that selects (a TopK router) gets static first chunks instead. (f32 blobs,
+    the defaults of a host without bf16: at bf16 every first chunk is static.)"""
+    f32 = (*CLI_SMALL, "--inference-precision", "f32")
     out = tmp_path / "out"
-    kvc("compile", fixtures.path("qwen3_moe"), "-o", out, *CLI_SMALL)
+    kvc("compile", fixtures.path("qwen3_moe"), "-o", out, *f32)
     assert read_manifest(out)["plan"]["lengths"].get("prefill_first_rows", "static") == "static"
     dense = tmp_path / "dense"
-    kvc("compile", fixtures.path("llama"), "-o", dense, *CLI_SMALL, "--no-verify")
+    kvc("compile", fixtures.path("llama"), "-o", dense, *f32, "--no-verify")
     assert read_manifest(dense)["plan"]["lengths"]["prefill_first_rows"] == "dynamic"
     # Asked for anyway, the plugin's import failure comes with what to do (OpenVINO 2026.4).
-    result = kvc("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "asked", *CLI_SMALL,
+    result = kvc("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "asked", *f32,
                  "--prefill-first-rows", "dynamic", code=5)
     assert "Cannot create GatherMatmul layer" in result.output
     assert "compile with --prefill-first-rows static (auto is static for a model with a TopK router)" in result.output
@@ -1384,13 +1386,14 @@ def test_a_first_chunk_of_dynamic_rows_computes_a_prompts_first_tokens_unpadded(
     blob's If chain, ahead of the chunk (its outputs padded to static shapes there); a prompt of 1
     to 32 tokens is one call of its own rows, a longer one continues with the chunk. From the
     blobs and on kvc's numpy runtime, prompts of 1, 5, 32 and 40 tokens generate what the
-    unchunked pipeline does, logits to within the blobs' rounding."""
+    unchunked pipeline does, logits to within f32 blobs' rounding (the precision it is chosen at)."""
     from kvc.runtime.static_pipeline import prefill_calls
 
     out, whole = tmp_path / "out", tmp_path / "whole"
     kvc("compile", fixtures.path("llama"), "-o", out, *CLI_SMALL, "--prefill-chunk-size", "16",
-        "--prefill-first", "32", "--prefill-first-rows", "dynamic")
-    kvc("compile", fixtures.path("llama"), "-o", whole, *CLI_SMALL, "--prefill-chunk-size", "0", "--no-verify")
+        "--prefill-first", "32", "--prefill-first-rows", "dynamic", "--inference-precision", "f32")
+    kvc("compile", fixtures.path("llama"), "-o", whole, *CLI_SMALL, "--prefill-chunk-size", "0", "--no-verify",
+        "--inference-precision", "f32")
     manifest = read_manifest(out)
     assert manifest["plan"]["lengths"]["prefill_first_rows"] == "dynamic"
     model = manifest["models"]["first-32"]
