@@ -44,6 +44,7 @@ from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
 from kvc.plan import StaticOptions
+from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
 DEVICES = ("CPU", "NPU")
@@ -807,10 +808,6 @@ class _Beside:
         self._thread = threading.Thread(target=run, name="kvc-device-compile", daemon=True)
         self._thread.start()
 
-    def done(self) -> bool:
-        """Whether `work` has ended."""
-        return not self._thread.is_alive()
-
     def join(self, timeout: float | None = None) -> None:
         """Wait for `work` to end, at most `timeout` seconds."""
         self._thread.join(timeout)
@@ -840,9 +837,11 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
         _phase(options, f"compile for {', '.join(beside)}, meanwhile verify the IR (numpy) against the source", work)
         compiling = _Beside(lambda: [compile_for(device) for device in beside])
         try:
-            with one_blas_thread() as limits:
-                verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
-                                                   progress, _once_done(compiling, limits.restore_original_limits))
+            # Its products share the cores with the compile on a pool that does not spin as
+            # OpenBLAS's own threads do (kvc.runtime.ops.products.pooled): computing them in this
+            # thread until the compile ended gained 0.9% (the 250M Llama, five alternating rounds).
+            verification, ir_gens = _verify_ir(model_path, work, manifest, static, cases, selecting, options,
+                                               progress)
             compiling.result()
         except BaseException:
             compiler.close(kill=True)  # its thread's wait for a reply ends
@@ -858,32 +857,6 @@ def _compile_and_verify(model_path: Path, work: Path, manifest: dict, static, ca
     if options.recorder is not None and ir_gens is not None:  # a phase of its own, after the compiles
         options.recorder.probes(model_path, cases, ir_gens, work)
     return verification, ir_gens
-
-
-def _once_done(compiling: _Beside, then: Callable[[], None]) -> Callable[[], None]:
-    """A check to make before each of the numpy check's model calls: `then()`, once, the first
-    time `compiling` is found ended (the BLAS threads given back: the CPU's device compiles of
-    the 250M Llama end halfway through an f32 host's numpy check, whose 512-row bulk calls then
-    ran on one core while the other idled; `kvc compile` there, three alternating runs: 48.7 ->
-    40.0 s, medians)."""
-    pending = [then]
-
-    def check() -> None:
-        if pending and compiling.done():
-            pending.pop()()
-    return check
-
-
-def one_blas_thread():
-    """numpy's BLAS on one thread, while it lasts (threadpoolctl). Beside a device compile
-    (which keeps one core busy) a second BLAS thread bought nothing and cost its spinning:
-    OpenBLAS's threads wait for each other by busy-looping, and with the other core taken
-    more than half of OpenBLAS's samples in `kvc compile` were those loops (blas_thread_server,
-    inner_thread: 3.4 of the compile's 28 CPU-seconds, perf). The 250M Llama, four alternating
-    runs: 11.5-12.2 s against 13.1-13.8, 16.4-17.2 user CPU-seconds against 19.4-20.3."""
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _check_unread(model_path: Path, work: Path, models: dict) -> dict:
@@ -902,15 +875,16 @@ def _check_unread(model_path: Path, work: Path, models: dict) -> dict:
 
 
 def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, selecting: bool,
-               options: CompileOptions, progress, before_call: Callable[[], None] | None = None):
+               options: CompileOptions, progress):
     """Nothing is published unless it works: the static IR as written, on kvc's numpy runtime,
     against the source on OpenVINO CPU f32, on the probe `cases`; the verification's result and
-    the IR's generations (the blob check's reference). `before_call`: `ir_generations`'."""
+    the IR's generations (the blob check's reference)."""
     from kvc.verify.compiled import ir_generations, probe_label, verify_static
 
     progress("verifying the static pipeline (numpy) against the source model (OpenVINO CPU f32)")
-    ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
-                                                                        f"runtime ({i}/{len(cases)})"), before_call)
+    with products.pooled():  # the same numbers whether a device compile runs beside it or not
+        ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
+                                                                            f"runtime ({i}/{len(cases)})"))
     verification = verify_static(reference_session(model_path), static, cases, ir_gens, selecting)
     if not verification["ok"]:
         bad = next(r for r in verification["results"] if not r["ok"])

@@ -67,9 +67,6 @@ class NumpySession:
     # What the model's constants point into when it was read over a shared mapping of its
     # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
     weights_mapping: object | None = None
-    # Called before every inference (kvc.export.compile: the compile's check takes both cores
-    # for BLAS once the device compile beside it has ended).
-    before_infer: Callable[[], None] | None = None
 
     def __init__(self, model: ov.Model, *, widen: bool = False):
         self.interpreter = Interpreter(model, widen=widen)  # widen: see Interpreter
@@ -96,8 +93,6 @@ class NumpySession:
         self._bound[name] = buffer[tuple(index)]
 
     def infer(self, inputs, *, trace=False):
-        if self.before_infer is not None:
-            self.before_infer()
         return self.interpreter.run({**self._bound, **inputs}, trace=trace)
 
     def capture(self, inputs, names=True) -> tuple[TensorMap, dict[str, np.ndarray]]:

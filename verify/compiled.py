@@ -197,7 +197,7 @@ def widens(kv_element_types) -> bool:
     return not int8_kv(kv_element_types) and any(t in ("f16", "bf16") for t in kv_element_types)
 
 
-def ir_generations(directory, manifest: dict, cases, on_case=None, before_call=None) -> list:
+def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     """The static IR as written to `directory` (read back as `kvc run --backend numpy` reads
     it: each model's XML over weights.bin, its ports checked against `manifest`) run by kvc's
     numpy runtime on each probe, widened where the cache is f16 or bf16 (`widens`): the IR's
@@ -205,7 +205,7 @@ def ir_generations(directory, manifest: dict, cases, on_case=None, before_call=N
     what was written checks the files, not only the graphs in memory, and kvc's weights.bin
     aligns every constant, so the weights are used in place (the in-memory graphs map the
     source's .bin, whose misaligned constants the runtime would copy: 3.2 s of a 250M model's
-    13.9 s compile). `before_call` is called before every model call (`NumpySession.before_infer`)."""
+    13.9 s compile)."""
     from pathlib import Path
 
     from kvc.export.load import pipeline_from
@@ -214,8 +214,6 @@ def ir_generations(directory, manifest: dict, cases, on_case=None, before_call=N
 
     widen = widens(plan_of(manifest).kv_element_types)
     pipeline = pipeline_from(Path(directory), manifest, "numpy", widen=widen)
-    for session in pipeline.sessions():
-        session.before_infer = before_call
     gens = []
     for i, probe in enumerate(cases, 1):
         gen = run_probe(pipeline, probe)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvc.runtime.ops import products
 from kvc.runtime.ops.elementwise import wide
 from kvc.runtime.ops.reductions import softmax_array
 from kvc.runtime.ops.registry import NodeSpec, register
@@ -28,7 +29,7 @@ def sdpa(spec: NodeSpec):
         dt = q.dtype
         s = (np.asarray(scale, dtype=dt).reshape(()) if scale is not None
              else dt.type(1.0 / np.sqrt(q.shape[-1])))
-        w = np.matmul(q, np.swapaxes(k, -1, -2)) * s
+        w = products.matmul(q, np.swapaxes(k, -1, -2)) * s
         L, S = q.shape[-2], k.shape[-2]
         if causal:
             w = w + np.triu(np.full((L, S), -np.inf, dtype=dt), k=1)
@@ -38,9 +39,9 @@ def sdpa(spec: NodeSpec):
             else:
                 w = w + mask.astype(dt, copy=False)
         if sink is None:
-            return np.matmul(softmax_array(w, -1), v).astype(out, copy=False)
+            return products.matmul(softmax_array(w, -1), v).astype(out, copy=False)
         column = np.broadcast_to(wide(sink).astype(dt, copy=False), w.shape[:-1] + (1,))
         p = softmax_array(np.concatenate([w, column], axis=-1), -1)[..., :-1]
-        return np.matmul(p, v).astype(out, copy=False)
+        return products.matmul(p, v).astype(out, copy=False)
 
     return run

@@ -2,13 +2,15 @@
 
 MatMul against a constant weight is the hot path of LLM decoding: a 3-D activation times a
 2-D weight is folded to one 2-D BLAS call (numpy would otherwise loop over the batch), and
-`transpose_b` is taken as a strided view, never a copy.
+`transpose_b` is taken as a strided view, never a copy. Products run through
+`kvc.runtime.ops.products`, which computes them the same on any number of cores.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvc.runtime.ops import products
 from kvc.runtime.ops.elementwise import wide
 from kvc.runtime.ops.registry import NodeSpec, register
 
@@ -29,9 +31,9 @@ def matmul(spec: NodeSpec):
         elif tb:
             b = np.swapaxes(b, -1, -2)
         if a.ndim > 2 and b.ndim == 2:  # [.., M, K] @ [K, N] as one GEMM
-            r = (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
+            r = products.matmul(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + (b.shape[-1],))
         else:
-            r = np.matmul(a, b)
+            r = products.matmul(a, b)
         if a1:
             r = r[..., 0, :]
         if b1:
