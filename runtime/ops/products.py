@@ -1,4 +1,5 @@
-"""Matrix products on kvc's numpy runtime, the same however many cores compute them.
+"""Matrix products on kvc's numpy runtime; in the compile's check, the same however many
+cores compute them.
 
 OpenBLAS's result depends on how many threads it splits a product over: on an AMD EPYC (its
 Haswell kernels) a [33, 64] @ [64, 256] product differs by 6e-6 between one thread and two.
