@@ -287,17 +287,15 @@ def test_the_manifest_is_the_same_bytes_whatever_blas_may_use(tmp_path):
     had one BLAS thread beside the CPU's device compile and two once that ended, and an AMD
     EPYC's compiles wrote other errors into manifest.json from run to run (a compile that took
     its blobs from the cache, another manifest than a fresh one). The same compile with BLAS
-    allowed two threads and one, and with --device NPU (its check runs after its compile)."""
+    allowed two threads and one (no device: the check alone, as with --device NPU before its
+    compile): the same bytes."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     for threads in (2, 1):
         with threadpool_limits(limits=threads, user_api="blas"):
-            compile_to(fixtures.path("llama"), tmp_path / f"cpu{threads}", CompileOptions(SMALL))
-            compile_to(fixtures.path("llama"), tmp_path / f"npu{threads}", CompileOptions(SMALL, devices=("NPU",)))
+            compile_to(fixtures.path("llama"), tmp_path / f"cpu{threads}", CompileOptions(SMALL, devices=()))
             assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {threads}  # given back
     assert (tmp_path / "cpu2" / "manifest.json").read_bytes() == (tmp_path / "cpu1" / "manifest.json").read_bytes()
-    npu = [json.loads((tmp_path / f"npu{t}" / "manifest.json").read_text()) for t in (2, 1)]
-    assert npu[0]["verification"] == npu[1]["verification"]  # NPU blobs differ by OpenVINO (README)
 
 
 def test_compile_verification_reads_the_prefill_past(tmp_path, monkeypatch):
