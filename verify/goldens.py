@@ -47,7 +47,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
             steps.append([[int(t), round(float(logits[t]), 6)] for t in top])
         entries.append({"ids": [int(t) for t in prompt], "tokens": gen.tokens, "top_logits": steps})
     data = {"format": FORMAT, "kvc_version": __version__, "openvino_version": openvino_version(),
-            "backend": backend, "inference_precision": config.get("INFERENCE_PRECISION_HINT", "f32"),
+            "backend": backend, "inference_precision": config.get("INFERENCE_PRECISION_HINT"),  # None: numpy's exact
             "kv_element_type": pipe.plan.kv[0].element_type, "prompts": entries}
     write_output(path, (json.dumps(data, indent=1) + "\n").encode(), "goldens")
     return data
@@ -73,9 +73,10 @@ def drift_bound(data: dict, backend: str, config: dict) -> float:
 
 
 def _recorded_config(data: dict, manifest: dict, from_ir: bool) -> dict:
-    """The arithmetic the goldens were recorded at: as the file says, or (a file from before it
+    """The arithmetic the goldens were recorded at: as the file says, or where it does not say
+    (numpy's exact runtime, a device whose configuration names none, a file from before it
     said) as the directory's blobs for that backend run."""
-    if "inference_precision" in data:
+    if data.get("inference_precision") is not None:
         return {"INFERENCE_PRECISION_HINT": data["inference_precision"]}
     return backend_config(manifest, data["backend"], from_ir=from_ir) or {}
 
@@ -98,9 +99,9 @@ def load_goldens(path) -> dict:
     if data.get("backend") not in ("numpy", "openvino", "npu"):
         raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which backend recorded them",
                                 expected="numpy, openvino or npu", found=str(data.get("backend"))[:80])
-    if data.get("inference_precision", "f32") not in ("f32", *_MANTISSA_BITS):  # absent before 2026-11-28
+    if data.get("inference_precision") not in (None, "f32", *_MANTISSA_BITS):  # absent before 2026-11-28
         raise InvalidModelError("bad-goldens", str(path), "the goldens name an arithmetic kvc does not know",
-                                expected="f32, bf16 or f16", found=str(data.get("inference_precision"))[:80])
+                                expected="f32, bf16, f16 or null", found=str(data.get("inference_precision"))[:80])
     for i, entry in enumerate(data["prompts"]):
         if not _entry_ok(entry):
             raise InvalidModelError("bad-goldens", str(path), f"prompt {i} is not a recorded prompt",
