@@ -3,7 +3,8 @@
 MatMul against a constant weight is the hot path of LLM decoding: a 3-D activation times a
 2-D weight is folded to one 2-D BLAS call (numpy would otherwise loop over the batch), and
 `transpose_b` is taken as a strided view, never a copy. Products run through
-`kvc.runtime.ops.products`, which computes them the same on any number of cores.
+`kvc.runtime.ops.products`: numpy's, or in the compile's check blocks that give the same
+bytes on any number of cores.
 """
 
 from __future__ import annotations

@@ -56,9 +56,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         parts = column_blocks(m, k, n)
         if parts == 1:
             return a @ b
-        edges = [n * i // parts for i in range(parts + 1)]
         out = np.empty((m, n), np.result_type(a, b))  # written in place: no second copy of a [521, 32000] logits
-        _run([functools.partial(np.matmul, a, b[:, lo:hi], out=out[:, lo:hi]) for lo, hi in zip(edges, edges[1:])])
+        _run([functools.partial(np.matmul, a, b[:, c], out=out[:, c]) for c in _cut(n, parts)])
         return out
     lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     axis = next((i for i, d in enumerate(lead) if d > 1), None)
@@ -66,12 +65,16 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.matmul(a, b)
     a = np.broadcast_to(a, lead + a.shape[-2:])
     b = np.broadcast_to(b, lead + b.shape[-2:])
-    parts = min(lead[axis], MAX_BLOCKS)
-    edges = [lead[axis] * i // parts for i in range(parts + 1)]
-    cut = [(slice(None),) * axis + (slice(lo, hi),) for lo, hi in zip(edges, edges[1:])]
+    cut = [(slice(None),) * axis + (c,) for c in _cut(lead[axis], min(lead[axis], MAX_BLOCKS))]
     out = np.empty(lead + (a.shape[-2], b.shape[-1]), np.result_type(a, b))
     _run([functools.partial(np.matmul, a[c], b[c], out=out[c]) for c in cut])
     return out
+
+
+def _cut(size: int, parts: int) -> list[slice]:
+    """`size` cut into `parts` slices of (nearly) equal length."""
+    edges = [size * i // parts for i in range(parts + 1)]
+    return [slice(lo, hi) for lo, hi in zip(edges, edges[1:])]
 
 
 def _run(tasks) -> list[np.ndarray]:
