@@ -34,6 +34,9 @@ def test_the_tour_is_what_kvc_prints_now():
     text = (ROOT / "docs" / "tour.md").read_text()
     assert tour.masked(text.replace("identical tokens", "token 3 differs", 1)) != tour.masked(text)
     assert tour.masked("TTFT 3.0 ms, 151.6 KiB") == tour.masked("TTFT 12.5 ms, 157.6 KiB")
+    # a table's padding and rule follow its digits' widths; a row more or less still fails
+    assert tour.masked("numpy  1e-05   ok\n-----  -----\n") == tour.masked("numpy  0.0001  ok\n-----  ------\n")
+    assert tour.masked("numpy  1  ok\n") != tour.masked("numpy  1  ok\nnumpy  2  ok\n")
 
 
 def test_the_readme_names_every_registered_pass():
