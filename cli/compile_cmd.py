@@ -12,6 +12,7 @@ import click
 from kvc.cli.options import (ir_print_options, json_option, model_argument, pop_instrumentation, pop_static, progress,
                              resolve_model, static_options)
 from kvc.cli.render import echo_json, human_bytes, table
+from kvc.verify.compiled import UNREAD_CHECKS
 
 
 @click.command("compile")
@@ -147,7 +148,7 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
         for r in v["results"]:
             click.echo(f"verification: {probe_label(r)}, {r['new_tokens']} new: {r['reason']} "
                        f"(max abs {r['max_abs']:.2g})")
-        for key, label in (("embedding", "embedding table"), ("weights", "weights")):
+        for key, label in UNREAD_CHECKS:
             if isinstance(v.get(key), dict):
                 click.echo(f"verification: {label}: {v[key].get('reason')}")
     for r in manifest.get("blob_check", []):

@@ -9,6 +9,7 @@ import click
 from kvc.cli.options import json_option, load_prompts
 from kvc.cli.render import echo_json, table
 from kvc.errors import VerificationError
+from kvc.verify.compiled import UNREAD_CHECKS
 
 
 def _backends(text: str) -> tuple[str, ...]:
@@ -92,11 +93,10 @@ def _dash(v):
     return "-" if v is None else v
 
 
-_UNREAD = (("embedding", "embedding table"), ("weights", "weights"))  # verify/weights.py's checks
 
 
 def _finish(report: dict, as_json: bool, headers, row) -> None:
-    unread = [(label, report[key]) for key, label in _UNREAD if report.get(key) is not None]
+    unread = [(label, report[key]) for key, label in UNREAD_CHECKS if report.get(key) is not None]
     if as_json:
         echo_json(report)
     else:

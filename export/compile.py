@@ -762,8 +762,9 @@ def _copy_tokenizer(source_dir: Path, work: Path) -> list[str]:
     return copied
 
 
-def reference_session(model_path: Path):
-    """The source model on OpenVINO CPU at f32, the compile check's reference. The pages its
+def reference_session(model_path: Path, edit=None):
+    """The source model on OpenVINO CPU at f32, the compile check's reference (`edit`: a
+    function of the ov.Model applied first). The pages its
     compile read of the source's weights file are dropped once it is compiled (export/mapped.py;
     the plugin holds its own copy of most weights and reads the file again where it needs):
     on the 250M Llama the reference then peaks at 1.8 GB, not 2.5, and so does the compile."""
@@ -771,7 +772,8 @@ def reference_session(model_path: Path):
 
     weights = resolve(model_path).weights
     with pages_released(weights, sweep="none") if weights is not None else contextlib.nullcontext():
-        return OpenVINOSession(load(model_path), "CPU")
+        model = load(model_path)
+        return OpenVINOSession(model if edit is None else edit(model), "CPU")
 
 
 # Devices whose compiles run beside the IR's verification: the CPU's compiling process holds
@@ -885,13 +887,37 @@ def _verify_ir(model_path: Path, work: Path, manifest: dict, static, cases, sele
     with products.pooled():  # the same numbers whether a device compile runs beside it or not
         ir_gens = ir_generations(work, manifest, cases, lambda i: progress(f"verifying: probes on kvc's numpy "
                                                                             f"runtime ({i}/{len(cases)})"))
-    verification = verify_static(reference_session(model_path), static, cases, ir_gens, selecting)
+    verification = verify_static(reference_session(model_path), static.plan, cases, ir_gens, selecting)
     if not verification["ok"]:
         bad = next(r for r in verification["results"] if not r["ok"])
         raise VerificationError(
             f"the compiled pipeline does not reproduce {model_path}: {probe_label(bad)}: "
             f"{bad['reason']}; nothing was written (use --no-verify to inspect, kvc bisect to locate)")
+    if selecting:  # a mixture of experts: every expert run, its router forced (kvc.verify.experts)
+        experts = _verify_experts(model_path, work, manifest, cases, progress)
+        if experts is not None:
+            verification["experts"] = experts
     return verification, ir_gens
+
+
+def _verify_experts(model_path: Path, work: Path, manifest: dict, cases, progress) -> dict | None:
+    """The probes again with every router forced to the experts each position fixes, on both
+    sides (kvc.verify.experts): every expert's wiring run, where the probes' own routing may
+    pick some never. None for a model without routers."""
+    from kvc.verify.experts import experts_of, force_routers, verify_experts
+
+    found = experts_of(load(model_path))
+    if found is None:
+        return None
+    progress(f"verifying every expert: the probes again, each router forced ({found[0]} experts)")
+    with products.pooled():
+        result = verify_experts(work, manifest, cases, found, lambda: reference_session(model_path, edit=force_routers),
+                                lambda i: progress(f"verifying: forced experts on kvc's numpy runtime "
+                                                   f"({i}/{len(cases)})"))
+    if not result["ok"]:
+        raise VerificationError(f"the compiled pipeline does not reproduce {model_path}: {result['reason']}; "
+                                f"nothing was written (use --no-verify to inspect, kvc bisect to locate)")
+    return result
 
 
 def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, selecting: bool,

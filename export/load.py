@@ -32,9 +32,11 @@ BACKEND_OF_DEVICE = {device: backend for backend, device in DEVICE_OF_BACKEND.it
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
              sweep: str | None = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
-             widen: bool = False) -> Session:
+             widen: bool = False, edit=None) -> Session:
     """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
     (`pages_released`; None: as an open, `_Imports.acquire`);
+    `edit`: a function of the ov.Model read from its IR, applied before it runs (a blob is not
+    edited: an edit asks for the IR);
     `mapped`: weights.bin as `map_weights` mapped it, shared by the models read from their IR;
     `imports`: the blobs this open imported (an If blob, export/branches.py, serves two models)."""
     entry = manifest["models"][name]
@@ -42,6 +44,8 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     device = DEVICE_OF_BACKEND.get(backend)
     blob = entry["blobs"].get(device)
     if _from_blob(entry, backend, from_ir):
+        if edit is not None:
+            raise ValueError(f"model '{name}' is run from its {device} blob, which cannot be edited")
         imports = imports or _Imports(directory, manifest, device)
         compiled = imports.acquire(name, sweep)
         if "branches" in blob:
@@ -59,6 +63,8 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
         return session
     model = load(directory / entry["xml"], weights=weights, mapped=mapped)
     check_ports(directory, name, entry, model.inputs, model.outputs)
+    if edit is not None:
+        model = edit(model)
     session = (NumpySession(model, widen=widen) if backend == "numpy" else
                OpenVINOSession(model, device, _ir_config(blob, device)))
     session.weights_mapping = mapped  # the model's constants point into it: it must live as long as they do
@@ -215,13 +221,14 @@ def model_session(directory: str | Path, name: str, backend: str = "numpy") -> S
 
 
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
-                  lazy: bool = False, widen: bool = False, serves: bool = False) -> StaticPipeline:
+                  lazy: bool = False, widen: bool = False, serves: bool = False, edit=None) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote. `lazy`: each model is imported
     when first run and can be released (`LazySession`); with `serves`, its imports are paged
     out as an open's are (below: it keeps them to serve, as `compile_and_open` does). `widen`:
     on the numpy backend, f16 and bf16 computed unrounded at f32
-    (`kvc.runtime.interpreter.Interpreter`), the cache too."""
+    (`kvc.runtime.interpreter.Interpreter`), the cache too. `edit`: applied to every model read
+    from its IR (`_session`; the compile's forced routers, kvc.verify.experts)."""
     kv_types = {k.element_type for k in plan_of(manifest).kv}
     if backend == "npu" and "bf16" in kv_types:
         raise UsageError(f"{directory} stores its KV cache as bf16 (compiled for CPU at bf16), which the NPU "
@@ -245,7 +252,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         # body (1.74 GB).
         sweep = "none" if lazy and not serves else None
         make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports,
-                                 widen)
+                                 widen, edit)
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}

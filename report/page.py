@@ -20,6 +20,7 @@ from kvc.export.manifest import model_order, shared_with
 from kvc.plan import chunk_label
 from kvc.report.collect import Branch, ReportData, collect
 from kvc.report.svg import bars_svg, steps_svg, subgraph_svg
+from kvc.verify.compiled import UNREAD_CHECKS
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
 SECTIONS = (("plan", "Plan"), ("models", "Models and blobs"), ("passes", "Passes"),
@@ -285,6 +286,15 @@ def _verification(d: ReportData) -> str:
                      f"</p>")
         parts.append(_table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
                                                            for r in v["results"]]))
+        checks = [(label, v[key]) for key, label in UNREAD_CHECKS if isinstance(v.get(key), dict)]
+        if checks:
+            parts.append("<ul>" + "".join(f"<li>{_t(label)}: {_t(c.get('reason', ''))}</li>" for label, c in checks)
+                         + "</ul>")
+        forced = v.get("experts")
+        if isinstance(forced, dict) and isinstance(forced.get("results"), list):
+            parts.append("<h3>Every expert: the probes again, each router forced, against the source forced alike</h3>")
+            parts.append(_table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
+                                                               for r in forced["results"] if isinstance(r, dict)]))
     if blob_rows:
         parts.append("<h3>Every blob, imported as kvc run imports it, against the IR</h3>")
         parts.append(_table(["device", "variants", *VERIFY_HEADERS],

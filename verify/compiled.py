@@ -6,7 +6,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvc.export.build import StaticModels
 from kvc.runtime.sampling import JUDGED
 
 
@@ -32,6 +31,11 @@ def run_probe(pipe, probe: Probe):
 
 
 BULK_TOKENS = 2
+
+# What a verification holds besides its probes' rows, by key and label: the checks of what no
+# probe need read (the embedding table and every weight, kvc.verify.weights; every expert's
+# wiring, each router forced, kvc.verify.experts).
+UNREAD_CHECKS = (("embedding", "embedding table"), ("weights", "weights"), ("experts", "experts"))
 
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None,
@@ -197,7 +201,7 @@ def widens(kv_element_types) -> bool:
     return not int8_kv(kv_element_types) and any(t in ("f16", "bf16") for t in kv_element_types)
 
 
-def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
+def ir_generations(directory, manifest: dict, cases, on_case=None, edit=None) -> list:
     """The static IR as written to `directory` (read back as `kvc run --backend numpy` reads
     it: each model's XML over weights.bin, its ports checked against `manifest`) run by kvc's
     numpy runtime on each probe, widened where the cache is f16 or bf16 (`widens`): the IR's
@@ -205,7 +209,7 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     what was written checks the files, not only the graphs in memory, and kvc's weights.bin
     aligns every constant, so the weights are used in place (the in-memory graphs map the
     source's .bin, whose misaligned constants the runtime would copy: 3.2 s of a 250M model's
-    13.9 s compile)."""
+    13.9 s compile). `edit`: applied to every model read (`pipeline_from`)."""
     from pathlib import Path
 
     from kvc.export.load import pipeline_from
@@ -213,7 +217,7 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     from kvc.verify.cache_rows import held_rows
 
     widen = widens(plan_of(manifest).kv_element_types)
-    pipeline = pipeline_from(Path(directory), manifest, "numpy", widen=widen)
+    pipeline = pipeline_from(Path(directory), manifest, "numpy", widen=widen, edit=edit)
     gens = []
     for i, probe in enumerate(cases, 1):
         gen = run_probe(pipeline, probe)
@@ -224,17 +228,18 @@ def ir_generations(directory, manifest: dict, cases, on_case=None) -> list:
     return gens
 
 
-def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bool = False) -> dict:
+def verify_static(reference, plan, cases, ir_gens, selecting: bool = False) -> dict:
     """The compile-time check: kvc's static pipeline on the numpy runtime (`ir_gens`) against
     the original model on OpenVINO CPU at f32 (`reference`, a session), on the probe cases:
     the logits and tokens, and the cache rows (`judge_run`).
     The reference is an engine kvc did not write: were it kvc's interpreter, a kernel bug
     would make the source and the static models wrong the same way and the check pass (it
-    did, for attention sinks). `selecting`: the models select (TopK), for the step bound."""
+    did, for attention sinks). `plan`: the static models' (`StaticPlan`); `selecting`: the
+    models select (TopK), for the step bound."""
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.verify.cache_rows import WIDENED_ROW_ERROR, source_run
 
-    kv_types = static.plan.kv_element_types
+    kv_types = plan.kv_element_types
     exact = widens(kv_types)  # the IR ran widened (`ir_generations`): judged as f32
     reduced = not exact and reduced_precision(kv_types, "numpy")
     limit = nrmse_limit(kv_types)  # f32 arithmetic: never the selecting bound
@@ -244,7 +249,7 @@ def verify_static(reference, static: StaticModels, cases, ir_gens, selecting: bo
     for probe, got in zip(cases, ir_gens):
         results.append({"backend": "numpy", **probe_row(probe),
                         **judge_run(source_run(reference, probe.prompt, probe.new_tokens, probe.origin), got,
-                                    static.plan.kv, reduced=reduced, limit=limit, step_bound=bound,
+                                    plan.kv, reduced=reduced, limit=limit, step_bound=bound,
                                     row_bounds=rows)})
     against = "source model on OpenVINO CPU f32" + (" (the IR's cache widened to f32)" if exact else "")
     return {"against": against, "ok": all(r["ok"] for r in results), "results": results}
@@ -462,6 +467,10 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     by the exact rules: on the stored cache, judged as reduced precision, an o_proj 3% too large
     was verified OK, its flips excused as near-ties by its own error (tests/mutation).
 
+    With the numpy backend, a mixture of experts is run again with every router forced, on the
+    IR and on the source (`_forced_experts`, kvc.verify.experts): every expert's wiring, which
+    the probes' own routing may never reach.
+
     One engine is in memory at a time: the source's runs of every probe, then each backend's
     pipeline alone, a peer's runs made and its model freed before its backend's pipeline opens.
     Holding them all at once, `kvc verify` of the 250M bench model peaked at 6.45 GB (3.14 now)."""
@@ -535,6 +544,26 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if backend == "numpy":
             ir_runs = runs
     unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
+    if "numpy" in backends:  # every expert's wiring, as the compile proves it (kvc.verify.experts)
+        experts = _forced_experts(source, directory, manifest, cases, reference_backend)
+        if experts is not None:
+            unread["experts"] = experts
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend, "backend_configs": configs, **unread,
             "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}
+
+
+def _forced_experts(source, directory, manifest: dict, cases, reference_backend: str) -> dict | None:
+    """`kvc verify`'s forced check of a mixture of experts (kvc.verify.experts) on the numpy
+    backend, against the source forced alike on `reference_backend` (OpenVINO CPU in place of
+    ONNX Runtime, which runs .onnx files, not an edited graph); None for a model without routers."""
+    from kvc.ir.reader import load
+    from kvc.runtime.session import open_session
+    from kvc.verify.experts import experts_of, force_routers, verify_experts
+
+    found = experts_of(load(source))
+    if found is None:
+        return None
+    backend = "numpy" if reference_backend == "numpy" else "openvino"
+    return verify_experts(directory, manifest, cases, found,
+                          lambda: open_session(force_routers(load(source)), backend))

@@ -98,8 +98,8 @@ def test_a_compressed_weight_changed_in_place_is_found():
     assert not result["ok"] and f"its weight '{op.get_friendly_name()}' (i4 " in result["reason"]
 
 
-def never_routed(tmp_path):
-    """gpt_oss with its routers' bias for expert 3 at -1e4: no token ever picks expert 3."""
+def never_routed(tmp_path, experts=(3,)):
+    """gpt_oss with its routers' bias for `experts` at -1e4: no token ever picks them."""
     source, path = fixtures.path("gpt_oss"), tmp_path / "never_routed"
     path.mkdir()
     for f in source.iterdir():
@@ -111,7 +111,7 @@ def never_routed(tmp_path):
     assert len(biases) == 2  # one router per layer
     for op in biases:
         data = np.array(op.get_data(), copy=True)
-        data[..., 3] = -1e4
+        data[..., list(experts)] = -1e4
         replace(op, data)
     ov.save_model(model, path / "openvino_model.xml", compress_to_fp16=False)
     return path

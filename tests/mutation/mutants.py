@@ -319,6 +319,46 @@ def gen_expert_in_place_1e2(name, model):
     return sum(edit_in_place(op, f) for op in consts(model, r"experts\.gate_up_proj$"))
 
 
+def swap_experts(model, a: int = 2, b: int = 3) -> int:
+    """Experts `a` and `b` each computed with the other's down projection, every weight kept
+    under its name with its bytes (what a pass that miswired experts would leave): a batched
+    weight [E, ...] (GPT-OSS, Qwen3-MoE) read through a Gather that swaps its rows a and b; one
+    MatMul per expert (GraniteMoE after dense-experts, `select/Gather_<2e+1>` for expert e)
+    given the other's weight."""
+    batched = consts(model, r"experts\.down_proj$")
+    if batched:
+        def permuted(x):
+            order = list(range(x.get_partial_shape()[0].get_length()))
+            order[a], order[b] = b, a
+            return ops.gather(x, i64(order), i64(0))
+        return sum(reroute(op.output(0), permuted) for op in batched)
+    edits = 0
+    for layer in {m[1] for op in consts(model, r"output_linear/aten::select/Gather_\d+$")
+                  if (m := re.search(r"layers\.(\d+)\.", op.get_friendly_name()))}:
+        pair = [consts(model, rf"layers\.{layer}\.block_sparse_moe\.output_linear/aten::select/Gather_{2 * e + 1}$")[0]
+                for e in (a, b)]
+        users = [list(op.output(0).get_target_inputs()) for op in pair]
+        for targets, other in zip(users, reversed(pair)):
+            for t in targets:
+                t.replace_source_output(other.output(0))
+        edits += 1
+    return edits
+
+
+@mutant
+def gen_experts_2_3_swapped(name, model):
+    """generate: experts 2 and 3 each computed with the other's down projection, their weights
+    unchanged. Only a probe that routes to 2 or 3 runs the fault: with a router that never picks
+    them (tests/export/test_experts.py), only the forced check (kvc.verify.experts) does."""
+    return swap_experts(model) if generate(name) else 0
+
+
+@mutant
+def prefill_experts_2_3_swapped(name, model):
+    """prefill, chunk and first-chunk models: experts 2 and 3 swapped (`gen_experts_2_3_swapped`)."""
+    return 0 if generate(name) else swap_experts(model)
+
+
 @mutant
 def all_int4_zero_point_one_group(name, model):
     """every model: one int4 group of the first [64, 4, 16] weight decompressed with its zero

@@ -1,0 +1,132 @@
+"""Every expert's wiring is run (kvc.verify.experts): the compile's probes again with each router
+forced to the experts each position fixes, on the source and on the static IR. Before it, a
+compiled model that computed expert 3 with expert 2's weights (every weight kept, byte for
+byte) was published wherever no probe's router picked 2 or 3."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import pytest
+
+from kvc import fixtures
+from kvc.errors import VerificationError
+from kvc.export.manifest import MANIFEST
+from kvc.ir.reader import load
+from kvc.runtime.session import NumpySession
+from kvc.verify.compiled import Probe, probe_cases
+from kvc.verify.experts import experts_of, force_routers, forced_cases, routers
+from tests.cli.runner import SMALL, kvc
+from tests.export.test_weights_check import built, never_routed
+from tests.mutation.mutants import apply
+
+FORCED = "with every router forced to the experts each position fixes (4 experts, 2 a token)"
+
+
+@pytest.mark.parametrize("name, count", [("gpt_oss", 2), ("qwen3_moe", 2), ("granitemoe", 2), ("llama", 0)])
+def test_the_routers_are_the_topks_over_the_experts(name, count):
+    """granitemoe's other two TopKs sort rows by expert (1-D, k from the data): not routers."""
+    model = load(fixtures.path(name))
+    assert len(routers(model)) == count
+    assert experts_of(model) == ((4, 2) if count else None)
+
+
+def router(experts: int, k: int, positions: bool = True) -> ov.Model:
+    scores = ops.parameter([-1, experts], np.float32, name="scores")
+    pos = ops.parameter([1, -1], np.int64, name="position_ids")
+    topk = ops.topk(scores, ops.constant(np.int64(k)), -1, "max", "value", "i32")
+    params = [scores, pos] if positions else [scores]
+    for p in params:
+        p.output(0).set_names({p.get_friendly_name()})
+    return ov.Model([ops.result(topk.output(0)), ops.result(topk.output(1))], params, "router")
+
+
+@pytest.mark.parametrize("engine", ["openvino", "numpy"])
+def test_a_forced_router_picks_the_experts_each_position_fixes(engine):
+    model = force_routers(router(5, 2))
+    scores = np.arange(25, dtype=np.float32).reshape(5, 5) * -1.0  # the router would pick 0 and 1 everywhere
+    feed = {"scores": scores, "position_ids": np.array([[7, 8, 9, 10, 11]], np.int64)}
+    if engine == "numpy":
+        values, indices = (NumpySession(model).infer(feed)[o.get_any_name()] for o in model.outputs)
+    else:
+        compiled = ov.Core().compile_model(model, "CPU")
+        out = compiled(feed)
+        values, indices = (out[o] for o in compiled.outputs)
+    expected = np.array([[(p * 2 + j) % 5 for j in range(2)] for p in range(7, 12)])
+    np.testing.assert_array_equal(indices, expected)
+    assert indices.dtype == np.int32
+    np.testing.assert_array_equal(values, np.take_along_axis(scores, expected, 1))
+
+
+def test_a_model_with_routers_but_no_positions_is_refused():
+    with pytest.raises(VerificationError, match="cannot run every expert of model 'router': it routes experts but "
+                                                "has no position_ids input"):
+        force_routers(router(4, 2, positions=False))
+
+
+def test_the_forced_probes_decode_each_variant_over_enough_positions_to_pick_every_expert():
+    plan = built("gpt_oss").plan.lengths
+    cases = probe_cases(plan, 300)
+    far = [p for p in cases if p.decode]
+    assert far == [Probe(far[0].prompt, 2, 128, 126, True)]  # the generate variant's last two steps
+    assert forced_cases(cases, plan, 4, 2) == cases  # two positions pick all four experts
+    forced = forced_cases(cases, plan, 128, 8)  # Qwen3-MoE's: 16 positions
+    assert [p for p in forced if not p.decode] == [p for p in cases if not p.decode]
+    (long,) = [p for p in forced if p.decode]
+    assert (len(long.prompt), long.new_tokens, long.start, long.origin) == (15, 2, 128, 112)
+
+
+@pytest.mark.parametrize("mutant, model", [("gen_experts_2_3_swapped", "generate-128"),
+                                           ("prefill_experts_2_3_swapped", "prefill")])
+def test_experts_no_probe_routes_to_swapped_are_refused_only_by_the_forced_check(tmp_path, monkeypatch, mutant,
+                                                                                   model):
+    """Experts 2 and 3 never picked (their router bias -1e4) and computed with each other's down
+    projection: every weight is the source's and every probe agrees; the forced check refuses."""
+    import kvc.export.compile as compile_
+
+    source = never_routed(tmp_path, (2, 3))
+    applied = apply(mutant, monkeypatch.setattr, monkeypatch.setenv, "ir")
+    result = kvc("compile", source, "-o", tmp_path / "out", *SMALL, code=4)
+    assert applied.edits[model] == 2  # both layers
+    assert f"does not reproduce {source}: {FORCED}, prompt of " in result.output
+    assert not (tmp_path / "out").exists()
+    with monkeypatch.context() as m:
+        m.setattr(compile_, "_verify_experts", lambda *args: None)
+        published = kvc("compile", source, "-o", tmp_path / "blind", *SMALL)
+    assert "blobs: CPU" in published.output and (tmp_path / "blind" / MANIFEST).exists()
+
+
+def test_a_clean_compile_records_and_says_the_forced_check(tmp_path):
+    result = kvc("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "out", *SMALL)
+    experts = json.loads((tmp_path / "out" / MANIFEST).read_text())["verification"]["experts"]
+    assert experts["ok"] and (experts["experts"], experts["per_token"]) == (4, 2)
+    assert len(experts["results"]) >= 4 and all(r["ok"] for r in experts["results"])
+    assert ("verification: experts: every router forced to the experts each position fixes (4 experts, 2 a "
+            f"token): {len(experts['results'])} probes agree with the source forced alike") in result.output
+
+
+def test_a_dense_model_has_no_forced_check(tmp_path):
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL)
+    assert "experts" not in json.loads((tmp_path / "out" / MANIFEST).read_text())["verification"]
+
+
+def test_kvc_verify_runs_the_forced_check(tmp_path, monkeypatch):
+    """A directory compiled with --no-verify from the swapped mutant: every probe of `kvc verify`
+    agrees (no router picks 2 or 3), the forced check does not."""
+    source, out = never_routed(tmp_path, (2, 3)), tmp_path / "out"
+    apply("gen_experts_2_3_swapped", monkeypatch.setattr, monkeypatch.setenv, "ir")
+    kvc("compile", source, "-o", out, *SMALL, "--no-verify")
+    args = ("verify", out, "--backends", "numpy", "--max-new-tokens", "2")
+    result = kvc(*args, code=4)
+    assert f"kvc: error: mismatch in the experts: {FORCED}, prompt of " in result.output
+    report = json.loads(kvc(*args, "--json", code=4).stdout.split("\nkvc: error")[0])
+    assert all(r["ok"] for r in report["results"]) and report["weights"]["ok"]
+    assert not report["experts"]["ok"] and not report["ok"]
+    clean = tmp_path / "clean"
+    monkeypatch.undo()
+    kvc("compile", source, "-o", clean, *SMALL)
+    assert "experts: every router forced" in kvc("verify", clean, "--backends", "numpy", "--max-new-tokens",
+                                                "2").output

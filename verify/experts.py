@@ -1,0 +1,149 @@
+"""Every expert's wiring, run: the probes again with each router forced to experts fixed by position.
+
+A probe proves only what it reads, and a mixture of experts reads an expert only where its
+router picks it. kvc.verify.weights proves every expert's weights are the source's, byte for
+byte, but not that the compiled graph wires them where the source does: a pass that fed expert
+3 expert 2's weights, or scattered expert 3's routing weight into expert 2's column, keeps every
+weight and passes every probe whose router never picks 2 or 3.
+
+So the compile runs its probes a second time with every router *forced*, on both sides: the
+source on OpenVINO CPU at f32 and the static IR on kvc's numpy runtime, each edited the same
+way (`force_routers`). A router is a TopK over [rows, E] (E static, k a constant below E, mode
+max, on the last axis: Mixtral, Qwen-MoE, GPT-OSS, GraniteMoE as optimum-intel exports them);
+its indices are replaced by the experts fixed by each row's position p,
+
+    experts(p) = {(p * k + j) mod E : j < k}
+
+and its values by the router's own scores of those experts (GatherElements of its input), so
+what follows the TopK (softmax over the picked scores, normalization, the scatter into [rows,
+E], the experts' products) runs as it would had the router picked them. Any m = ceil(E / k)
+consecutive positions pick every expert, so a model run at m consecutive positions runs every
+expert's wiring. The forced probes are the compile's probes (`probe_cases`), with each generate
+variant's far probe decoded over its last max(2, m) positions instead of its last 2
+(`forced_cases`): every generate variant decodes m consecutive positions, and every prefill
+model runs over at least m when its smallest call holds m rows (a chunk of 16 for E / k = 16,
+Qwen3-MoE's 128 experts, 8 a token).
+
+The row's position is the model's ``position_ids``, flattened: the router's rows are the
+tokens of the call in order, batch 1, in the source and in every static model. A model without
+``position_ids``, or a TopK of another form (GraniteMoE's 1-D sort of rows by expert, a
+sampler's), is not forced; `force_routers` says how many it forced.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from kvc.passes.framework.base import constant_ints
+
+
+def routers(model: ov.Model) -> list[ov.Node]:
+    """The model's router TopKs (the module's rule), in graph order."""
+    found = []
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "TopK":
+            continue
+        shape = op.get_input_partial_shape(0)
+        k = constant_ints(op.input_value(1))
+        attrs = op.get_attributes()
+        if (shape.rank.is_dynamic or shape.rank.get_length() != 2 or shape[1].is_dynamic or k is None
+                or len(k) != 1 or attrs["mode"] != "max" or attrs["axis"] % 2 != 1):
+            continue
+        if 0 < k[0] < shape[1].get_length():
+            found.append(op)
+    return found
+
+
+def experts_of(model: ov.Model) -> tuple[int, int] | None:
+    """(E, k) of the model's routers (the first's), or None for a model without one."""
+    found = routers(model)
+    if not found:
+        return None
+    return found[0].get_input_partial_shape(0)[1].get_length(), constant_ints(found[0].input_value(1))[0]
+
+
+def _positions(model: ov.Model) -> ov.Output | None:
+    for p in model.inputs:
+        if "position_ids" in p.get_names():
+            return p.get_node().output(0)
+    return None
+
+
+def force_routers(model: ov.Model) -> ov.Model:
+    """`model`, edited in place: every router picks the experts its row's position fixes (the
+    module's rule). A model with routers but no ``position_ids`` is a VerificationError: its
+    experts cannot all be run, and an unproven model is not passed."""
+    found = routers(model)
+    if not found:
+        return model
+    positions = _positions(model)
+    if positions is None:
+        from kvc.errors import VerificationError
+
+        raise VerificationError(f"cannot run every expert of model '{model.get_friendly_name()}': it routes "
+                                f"experts but has no position_ids input to force its routers by (use --no-verify "
+                                f"to publish it unproven)")
+    rows = ops.reshape(ops.convert(positions, "i64"), ops.constant(np.array([-1], np.int64)), False)
+    for tk in found:
+        scores = tk.input_value(0)
+        experts = scores.get_partial_shape()[1].get_length()
+        k = constant_ints(tk.input_value(1))[0]
+        first = ops.unsqueeze(ops.multiply(rows, ops.constant(np.int64(k))), ops.constant(np.int64(1)))
+        picked = ops.floor_mod(ops.add(first, ops.constant(np.arange(k, dtype=np.int64)[None, :])),
+                               ops.constant(np.int64(experts)))
+        values = ops.gather_elements(scores, picked, 1)
+        indices = ops.convert(picked, tk.get_output_element_type(1))
+        for out, new in ((tk.output(0), values.output(0)), (tk.output(1), indices.output(0))):
+            for target in list(out.get_target_inputs()):
+                target.replace_source_output(new)
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+def forced_cases(cases, plan, experts: int, per_token: int) -> list:
+    """The compile's probe `cases` for the forced run: each generate variant's far probe (a
+    decode over its last 2 positions) decoded over its last max(2, ceil(E / k)) instead, so that
+    it runs every expert (the module's rule); the other probes as they are."""
+    from kvc.verify.compiled import Probe
+
+    steps = max(2, math.ceil(experts / per_token))
+    forced = []
+    for probe in cases:
+        if probe.decode and probe.start is not None and probe.start >= steps:
+            # a token a step from position start - steps, then the last step's own token
+            prompt = (probe.prompt * steps)[: steps - 1]
+            forced.append(Probe(prompt, 2, probe.start, probe.start - steps, True))
+        else:
+            forced.append(probe)
+    return forced
+
+
+def verify_experts(directory, manifest: dict, cases, experts: tuple[int, int], reference, on_case=None) -> dict:
+    """The forced check (the module's rule): the static IR written to `directory`, its routers
+    forced, on kvc's numpy runtime against `reference()` (a session of the source, its routers
+    forced alike, made once the IR's runs are done: one engine in memory at a time) on
+    `forced_cases(cases)`, judged as the compile's check judges its probes (`verify_static`,
+    exact: a forced router flips nothing); `experts` is (E, k) of the source's routers
+    (`experts_of`)."""
+    from kvc.export.manifest import plan_of
+    from kvc.verify.compiled import ir_generations, verify_static
+
+    plan = plan_of(manifest)
+    forced = forced_cases(cases, plan, *experts)
+    ir_gens = ir_generations(directory, manifest, forced, on_case, edit=force_routers)
+    result = verify_static(reference(), plan, forced, ir_gens)
+    count, per_token = experts
+    if result["ok"]:
+        reason = (f"every router forced to the experts each position fixes ({count} experts, {per_token} a token): "
+                  f"{len(forced)} probes agree with the source forced alike")
+    else:
+        from kvc.verify.compiled import probe_label
+
+        bad = next(r for r in result["results"] if not r["ok"])
+        reason = (f"with every router forced to the experts each position fixes ({count} experts, {per_token} a "
+                  f"token), {probe_label(bad)}: {bad['reason']}")
+    return {"experts": count, "per_token": per_token, **result, "reason": reason}
