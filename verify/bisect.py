@@ -4,7 +4,10 @@ Every intermediate model is evaluated with the probe for its form (`kvc.verify.p
 kvc's numpy runtime and compared with the source model: dynamic stages (the common passes)
 by greedy logits over a few steps, static stages (each branch: prefill and the generate
 variants) by one step of the NPU contract against the lifted source. Each pass is judged on
-its own (tolerance 1e-4; NRMSE 0.01 once KV is f16).
+its own (tolerance 1e-4; NRMSE 0.01 once KV is f16). A mixture of experts is judged again
+with every router forced on both sides (kvc.verify.experts), as the compile judges it, so that
+an expert the probe's router never picks is run too: a step of fewer rows than ceil(E / k)
+runs once per shift of the forced experts.
 
 The pass named is the first one after which the outputs are wrong *and stay wrong* to the end
 of its branch. A pass may break numbers that a later pass is there to restore: under the NPU
@@ -18,6 +21,7 @@ it is static too; static-shape itself changes every shape, so there is no tensor
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -29,6 +33,7 @@ from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatc
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
 from kvc.verify.embedding import model_differs, source_table
+from kvc.verify.experts import experts_of, force_routers
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
@@ -96,6 +101,8 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
     if outside:
         raise UsageError(f"token id {outside[0]} of --prompt-ids is outside the vocabulary (ids 0 to {vocab - 1})")
     ref_dynamic = dynamic_logits(source, prompt, steps)
+    experts = experts_of(source)
+    ref_forced = dynamic_logits(force_routers(source.clone()), prompt, steps) if experts else None
     report = BisectReport()
     # The embedding rows the probe's tokens do not select, and the experts its router does not
     # pick, are compared whole after every pass.
@@ -106,6 +113,9 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
         current = PassManager([p], use_env=False).run(current).model
         a, n, ok = _judge(ref_dynamic, dynamic_logits(current, prompt, steps), f16=False)
         why = unread.changed(current)
+        if experts and why is None:
+            fa, fn, fok = _judge(ref_forced, dynamic_logits(force_routers(current.clone()), prompt, steps), f16=False)
+            why = None if fok else _forced_reason(experts, fa, fn)
         stage = Stage("common", i, p.spec(), a, n, ok and why is None, reason=why or "")
         report.stages.append(stage)
         if not stage.ok:
@@ -115,9 +125,39 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
     lifted = current
     tokens = rng.integers(1, vocab, 4 * options.lengths().capacity)
     for branch, passes in branch_passes(options).items():
-        if _bisect_branch(report, branch, passes, lifted, tokens, unread):
+        if _bisect_branch(report, branch, passes, lifted, tokens, unread, experts):
             return report
     return report
+
+
+def _forced_reason(experts: tuple[int, int], a: float, n: float) -> str:
+    return (f"with every router forced to the experts each position fixes ({experts[0]} experts, {experts[1]} a "
+            f"token), the logits differ (max abs {a:.3g}, NRMSE {n:.3g})")
+
+
+def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int, int]) -> str | None:
+    """Why a static stage differs from the lifted source with both forced alike
+    (kvc.verify.experts), or None: its one step, run again for each shift of the forced experts
+    while the step's positions pick fewer than all of them (a generate model's one row)."""
+    count, per_token = experts
+    shift, shifts = 0, 1
+    while shift < shifts:
+        forced = force_routers(model.clone(), shift)
+        feed = static_feed(forced, force_routers(lifted.clone(), shift), tokens)
+        if shift == 0 and _step_positions(forced, feed) * per_token < count:
+            shifts = math.ceil(count / per_token)
+        a, n, ok = _judge(feed.ref_logits, NumpySession(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
+        if not ok:
+            return _forced_reason(experts, a, n)
+        shift += 1
+    return None
+
+
+def _step_positions(model: ov.Model, feed) -> int:
+    """How many positions a static step (`static_feed`) runs: its valid rows of input_ids."""
+    rows = next(p for p in model.inputs if "input_ids" in p.get_names()).get_shape()[-1]
+    mask = feed.inputs.get("attention_mask")
+    return rows if mask is None else int(np.count_nonzero(mask[0, -rows:]))
 
 
 class _Unread:
@@ -134,7 +174,7 @@ class _Unread:
 
 
 def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.Model, tokens,
-                   unread: _Unread) -> bool:
+                   unread: _Unread, experts: tuple[int, int] | None = None) -> bool:
     """Judge each static stage of one branch; True when the branch ends wrong (the culprit is
     the first pass of the run of wrong stages at its end)."""
     model, models, stages = lifted.clone(), [lifted], []
@@ -147,6 +187,8 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         out = NumpySession(model).infer(feed.inputs)["logits"][0][feed.rows]
         a, n, ok = _judge(feed.ref_logits, out, feed.f16)
         why = unread.changed(model)
+        if experts and why is None:
+            why = _forced_static(model, lifted, tokens, experts)
         stages.append((i, Stage(branch, i, p.spec(), a, n, ok and why is None, reason=why or "")))
     report.stages.extend(s for _, s in stages)
     if not stages or stages[-1][1].ok:

@@ -73,10 +73,12 @@ def _positions(model: ov.Model) -> ov.Output | None:
     return None
 
 
-def force_routers(model: ov.Model) -> ov.Model:
+def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     """`model`, edited in place: every router picks the experts its row's position fixes (the
-    module's rule). A model with routers but no ``position_ids`` is a VerificationError: its
-    experts cannot all be run, and an unproven model is not passed."""
+    module's rule), or with `shift` those of position + shift (kvc bisect's one-row steps run
+    each shift below ceil(E / k) to pick every expert). A model with routers but no
+    ``position_ids`` is a VerificationError: its experts cannot all be run, and an unproven
+    model is not passed."""
     found = routers(model)
     if not found:
         return model
@@ -88,6 +90,8 @@ def force_routers(model: ov.Model) -> ov.Model:
                                 f"experts but has no position_ids input to force its routers by (use --no-verify "
                                 f"to publish it unproven)")
     rows = ops.reshape(ops.convert(positions, "i64"), ops.constant(np.array([-1], np.int64)), False)
+    if shift:
+        rows = ops.add(rows, ops.constant(np.int64(shift)))
     for tk in found:
         scores = tk.input_value(0)
         experts = scores.get_partial_shape()[1].get_length()

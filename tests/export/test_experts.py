@@ -6,6 +6,8 @@ byte) was published wherever no probe's router picked 2 or 3."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import openvino as ov
@@ -16,12 +18,14 @@ from kvc import fixtures
 from kvc.errors import VerificationError
 from kvc.export.manifest import MANIFEST
 from kvc.ir.reader import load
+from kvc.passes.framework.base import Pass, PassResult, option
+from kvc.passes.framework.registry import register_pass
 from kvc.runtime.session import NumpySession
 from kvc.verify.compiled import Probe, probe_cases
 from kvc.verify.experts import experts_of, force_routers, forced_cases, routers
 from tests.cli.runner import SMALL, kvc
 from tests.export.test_weights_check import built, never_routed
-from tests.mutation.mutants import apply
+from tests.mutation.mutants import apply, swap_experts
 
 FORCED = "with every router forced to the experts each position fixes (4 experts, 2 a token)"
 
@@ -130,3 +134,60 @@ def test_kvc_verify_runs_the_forced_check(tmp_path, monkeypatch):
     kvc("compile", source, "-o", clean, *SMALL)
     assert "experts: every router forced" in kvc("verify", clean, "--backends", "numpy", "--max-new-tokens",
                                                 "2").output
+
+
+@register_pass
+@dataclass(frozen=True)
+class SwapExperts(Pass):
+    """Test only: experts a and b computed with each other's down projection (`swap_experts`)."""
+
+    name: ClassVar[str] = "test-swap-experts"
+    a: int = option(2, help="one expert")
+    b: int = option(3, help="the other")
+
+    def run(self, model):
+        return PassResult(model, swap_experts(model, self.a, self.b) > 0)
+
+
+def test_bisect_names_the_pass_that_swaps_experts_no_probe_routes_to(tmp_path, monkeypatch):
+    """A pass that miswires experts 2 and 3, which gpt_oss's routers never pick here: bisect
+    names it, in the common passes and in a static branch, by the forced routers."""
+    import kvc.export.build as build
+
+    source = never_routed(tmp_path, (2, 3))
+    common = json.loads(kvc("bisect", source, *SMALL, "--passes", "lift-state,test-swap-experts", "--json",
+                            code=4).stdout)
+    bad = common["first_bad_pass"]
+    assert (bad["spec"], bad["branch"]) == ("test-swap-experts", "common")
+    assert bad["reason"].startswith(FORCED + ", the logits differ (max abs ")
+    assert bad["max_abs"] < 1e-4  # the probe's own routing never reads experts 2 and 3
+    real = build.branch_passes
+
+    def with_swap(options):
+        branches = real(options)
+        branches["generate-128"].insert(2, SwapExperts())  # after mask-positions (gpt_oss has a window)
+        return branches
+
+    monkeypatch.setattr(build, "branch_passes", with_swap)
+    data = json.loads(kvc("bisect", source, *SMALL, "--json", code=4).stdout)
+    bad = data["first_bad_pass"]
+    assert (bad["spec"], bad["branch"], bad["index"]) == ("test-swap-experts", "generate-128", 3)
+    assert bad["reason"].startswith(FORCED + ", the logits differ (max abs ")
+    monkeypatch.undo()
+    clean = json.loads(kvc("bisect", source, *SMALL, "--json").stdout)
+    assert clean["ok"]
+
+
+def test_bisect_runs_a_one_row_step_at_every_shift_of_the_forced_experts(tmp_path, monkeypatch):
+    """Experts 0 and 1 never picked and swapped, in the generate branch: its one-row step at
+    position 63 is forced to experts 2 and 3; only the step shifted by one position (experts 0
+    and 1) runs the fault."""
+    import kvc.export.build as build
+
+    source = never_routed(tmp_path, (0, 1))
+    real = build.branch_passes
+    monkeypatch.setattr(build, "branch_passes", lambda options: {
+        **real(options), "generate-128": [*real(options)["generate-128"], SwapExperts(a=0, b=1)]})
+    bad = json.loads(kvc("bisect", source, *SMALL, "--json", code=4).stdout)["first_bad_pass"]
+    assert (bad["spec"], bad["branch"]) == ("test-swap-experts{a=0,b=1}", "generate-128")
+    assert bad["reason"].startswith(FORCED + ", the logits differ")
