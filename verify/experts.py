@@ -58,12 +58,67 @@ def routers(model: ov.Model) -> list[ov.Node]:
     return found
 
 
-def experts_of(model: ov.Model) -> tuple[int, int] | None:
-    """(E, k) of the model's routers (the first's), or None for a model without one."""
+# Ops an index passes through unchanged in value on its way to a scatter (`router_groups`).
+_INDEX_PLUMBING = {"Convert", "Reshape", "Unsqueeze", "Squeeze", "Broadcast"}
+
+
+def router_groups(model: ov.Model) -> list[list[ov.Node]]:
+    """The routers grouped by the token's picks they make together, each group in graph order: a
+    TopK whose scores are computed, through values of the scores' own shape [rows, E] alone,
+    from another router's picked indices (a scatter of -inf at them) picks after it for the same
+    token. PhiMoE's sparsemixer picks its two experts so, each with a top-1 over the scores, the
+    second with the first's pick scattered to -inf; forced apart, both took the same expert and
+    the second's score was that -inf. (The next layer's router reads this one's picks through
+    the hidden state: another group.)"""
     found = routers(model)
-    if not found:
+    index = {op.get_instance_id(): i for i, op in enumerate(found)}
+    parent = list(range(len(found)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    def picks_of(value: ov.Output) -> int | None:
+        """The router whose indices `value` is, through index plumbing; else None."""
+        while value.get_node().get_type_name() in _INDEX_PLUMBING:
+            value = value.get_node().input_value(0)
+        return index.get(value.get_node().get_instance_id()) if value.get_index() == 1 else None
+
+    for i, op in enumerate(found):
+        experts = op.get_input_partial_shape(0)[1]
+        seen, todo = set(), [op.input_value(0)]
+        while todo:
+            value = todo.pop()
+            node = value.get_node()
+            shape = value.get_partial_shape()
+            if (node.get_instance_id() in seen or shape.rank.is_dynamic or shape.rank.get_length() != 2
+                    or shape[1] != experts):
+                continue
+            seen.add(node.get_instance_id())
+            for above in node.input_values():
+                j = picks_of(above)
+                if j is not None and j != i:
+                    parent[root(i)] = root(j)
+                else:
+                    todo.append(above)
+    groups: dict[int, list[ov.Node]] = {}
+    for i, op in enumerate(found):
+        groups.setdefault(root(i), []).append(op)
+    return list(groups.values())
+
+
+def _k(op: ov.Node) -> int:
+    return constant_ints(op.input_value(1))[0]
+
+
+def experts_of(model: ov.Model) -> tuple[int, int] | None:
+    """(E, k) of the model's routers (the first group's: k the experts a token's picks take
+    together), or None for a model without one."""
+    groups = router_groups(model)
+    if not groups:
         return None
-    return found[0].get_input_partial_shape(0)[1].get_length(), constant_ints(found[0].input_value(1))[0]
+    return groups[0][0].get_input_partial_shape(0)[1].get_length(), sum(_k(op) for op in groups[0])
 
 
 def _positions(model: ov.Model) -> ov.Output | None:
@@ -76,11 +131,12 @@ def _positions(model: ov.Model) -> ov.Output | None:
 def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     """`model`, edited in place: every router picks the experts its row's position fixes (the
     module's rule), or with `shift` those of position + shift (kvc bisect's one-row steps run
-    each shift below ceil(E / k) to pick every expert). A model with routers but no
-    ``position_ids`` is a VerificationError: its experts cannot all be run, and an unproven
-    model is not passed."""
-    found = routers(model)
-    if not found:
+    each shift below ceil(E / k) to pick every expert). The routers of a group (`router_groups`)
+    take the k experts in turn: the t-th, of k_t, those from the sum of the k's before it. A
+    model with routers but no ``position_ids`` is a VerificationError: its experts cannot all be
+    run, and an unproven model is not passed."""
+    groups = router_groups(model)
+    if not groups:
         return model
     positions = _positions(model)
     if positions is None:
@@ -92,18 +148,20 @@ def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     rows = ops.reshape(ops.convert(positions, "i64"), ops.constant(np.array([-1], np.int64)), False)
     if shift:
         rows = ops.add(rows, ops.constant(np.int64(shift)))
-    for tk in found:
-        scores = tk.input_value(0)
-        experts = scores.get_partial_shape()[1].get_length()
-        k = constant_ints(tk.input_value(1))[0]
-        first = ops.unsqueeze(ops.multiply(rows, ops.constant(np.int64(k))), ops.constant(np.int64(1)))
-        picked = ops.floor_mod(ops.add(first, ops.constant(np.arange(k, dtype=np.int64)[None, :])),
-                               ops.constant(np.int64(experts)))
-        values = ops.gather_elements(scores, picked, 1)
-        indices = ops.convert(picked, tk.get_output_element_type(1))
-        for out, new in ((tk.output(0), values.output(0)), (tk.output(1), indices.output(0))):
-            for target in list(out.get_target_inputs()):
-                target.replace_source_output(new)
+    for group in groups:
+        total, first = sum(_k(op) for op in group), 0
+        start = ops.unsqueeze(ops.multiply(rows, ops.constant(np.int64(total))), ops.constant(np.int64(1)))
+        for tk in group:
+            scores = tk.input_value(0)
+            experts, k = scores.get_partial_shape()[1].get_length(), _k(tk)
+            picked = ops.floor_mod(ops.add(start, ops.constant(np.arange(first, first + k, dtype=np.int64)[None, :])),
+                                   ops.constant(np.int64(experts)))
+            first += k
+            values = ops.gather_elements(scores, picked, 1)
+            indices = ops.convert(picked, tk.get_output_element_type(1))
+            for out, new in ((tk.output(0), values.output(0)), (tk.output(1), indices.output(0))):
+                for target in list(out.get_target_inputs()):
+                    target.replace_source_output(new)
     model.validate_nodes_and_infer_types()
     return model
 

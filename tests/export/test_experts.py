@@ -22,7 +22,7 @@ from kvc.passes.framework.base import Pass, PassResult, option
 from kvc.passes.framework.registry import register_pass
 from kvc.runtime.session import NumpySession
 from kvc.verify.compiled import Probe, probe_cases
-from kvc.verify.experts import experts_of, force_routers, forced_cases, routers
+from kvc.verify.experts import experts_of, force_routers, forced_cases, router_groups, routers
 from tests.cli.runner import SMALL, kvc
 from tests.export.test_weights_check import built, never_routed
 from tests.mutation.mutants import apply, swap_experts
@@ -30,14 +30,43 @@ from tests.mutation.mutants import apply, swap_experts
 FORCED = "with every router forced to the experts each position fixes (4 experts, 2 a token)"
 
 
-@pytest.mark.parametrize("name, experts", [("gpt_oss", (4, 2)), ("qwen3_moe", (4, 2)), ("granitemoe", (4, 2)),
-                                           ("mixtral", (4, 2)), ("qwen2_moe", (8, 2)), ("llama", None)])
-def test_the_routers_are_the_topks_over_the_experts(name, experts):
+@pytest.mark.parametrize("name, experts, per_layer", [
+    ("gpt_oss", (4, 2), 1), ("qwen3_moe", (4, 2), 1), ("granitemoe", (4, 2), 1), ("mixtral", (4, 2), 1),
+    ("qwen2_moe", (8, 2), 1), ("phimoe", (4, 2), 2), ("llama", None, 0)])
+def test_the_routers_are_the_topks_over_the_experts(name, experts, per_layer):
     """granitemoe's other two TopKs sort rows by expert (1-D, k from the data): not routers;
-    qwen2_moe's shared expert is scaled by a sigmoid gate, which routes nothing."""
+    qwen2_moe's shared expert is scaled by a sigmoid gate, which routes nothing; phimoe's
+    sparsemixer picks a token's two experts with two top-1s, one group."""
     model = load(fixtures.path(name))
-    assert len(routers(model)) == (2 if experts else 0)  # one a layer
+    assert len(routers(model)) == 2 * per_layer  # two layers
+    assert [len(g) for g in router_groups(model)] == ([per_layer] * 2 if per_layer else [])
     assert experts_of(model) == experts
+
+
+def sparsemixer(experts: int = 4) -> ov.Model:
+    """Two top-1 picks a token, the second over the scores with the first's pick at -inf."""
+    scores = ops.parameter([-1, experts], np.float32, name="scores")
+    pos = ops.parameter([1, -1], np.int64, name="position_ids")
+    first = ops.topk(scores, ops.constant(np.int64(1)), -1, "max", "none", "i64")
+    masked = ops.scatter_elements_update(scores, ops.convert(first.output(1), "i32"),
+                                         ops.broadcast(ops.constant(np.float32(-np.inf)),
+                                                       ops.shape_of(first.output(1))), ops.constant(np.int64(-1)))
+    second = ops.topk(masked, ops.constant(np.int64(1)), -1, "max", "none", "i64")
+    for p in (scores, pos):
+        p.output(0).set_names({p.get_friendly_name()})
+    return ov.Model([ops.result(o) for o in (*first.outputs(), *second.outputs())], [scores, pos], "sparsemixer")
+
+
+def test_a_router_that_picks_in_turns_is_forced_to_distinct_experts_with_finite_scores():
+    model = sparsemixer()
+    assert [len(g) for g in router_groups(model)] == [2]
+    force_routers(model)
+    scores = np.arange(12, dtype=np.float32).reshape(3, 4)
+    compiled = ov.Core().compile_model(model, "CPU")
+    out = compiled({"scores": scores, "position_ids": np.array([[0, 1, 2]], np.int64)})
+    v1, i1, v2, i2 = (out[o] for o in compiled.outputs)
+    np.testing.assert_array_equal(np.hstack([i1, i2]), [[0, 1], [2, 3], [0, 1]])
+    np.testing.assert_array_equal(np.hstack([v1, v2]), np.take_along_axis(scores, np.hstack([i1, i2]), 1))
 
 
 def router(experts: int, k: int, positions: bool = True) -> ov.Model:
@@ -105,8 +134,11 @@ def test_experts_no_probe_routes_to_swapped_are_refused_only_by_the_forced_check
     assert "blobs: CPU" in published.output and (tmp_path / "blind" / MANIFEST).exists()
 
 
-def test_a_clean_compile_records_and_says_the_forced_check(tmp_path):
-    result = kvc("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "out", *SMALL)
+@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe"])
+def test_a_clean_compile_records_and_says_the_forced_check(tmp_path, name):
+    """phimoe's two top-1 routers forced apart (not as one group) took the same expert, and the
+    forced check refused the clean compile (exit 4)."""
+    result = kvc("compile", fixtures.path(name), "-o", tmp_path / "out", *SMALL)
     experts = json.loads((tmp_path / "out" / MANIFEST).read_text())["verification"]["experts"]
     assert experts["ok"] and (experts["experts"], experts["per_token"]) == (4, 2)
     assert len(experts["results"]) >= 4 and all(r["ok"] for r in experts["results"])
