@@ -246,3 +246,20 @@ def test_every_models_dumps_are_read_in_model_order(tmp_path):
         "--prefill-first", "32", "--no-verify", "--dumps")
     assert [b.name for b in read_dumps(out / "dumps")] == ["common", "prefill", "prefill-32", "first-32",
                                                            "generate-128"]
+
+
+def test_the_checks_of_what_no_probe_reads_and_the_forced_experts_are_shown(tmp_path):
+    """The embedding and weights checks, and for a mixture of experts the probes run again with
+    every router forced: their lines, and a table row per forced probe."""
+    from kvc import fixtures
+
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("qwen3_moe"), "-o", out, "--max-prompt-len", "64", "--min-response-len", "64")
+    kvc("report", out)
+    html = (out / "report.html").read_text()
+    v = json.loads((out / "manifest.json").read_text())["verification"]
+    for key, label in (("embedding", "embedding table"), ("weights", "weights"), ("experts", "experts")):
+        assert f"<li>{escape(label)}: {escape(v[key]['reason'])}</li>" in html
+    section = html.split("Every expert: the probes again, each router forced, against the source forced alike")[1]
+    table = section.split("</table>")[0]
+    assert table.count("<tr>") == len(v["experts"]["results"]) + 1  # and the header
