@@ -9,8 +9,9 @@ weight and passes every probe whose router never picks 2 or 3.
 So the compile runs its probes a second time with every router *forced*, on both sides: the
 source on OpenVINO CPU at f32 and the static IR on kvc's numpy runtime, each edited the same
 way (`force_routers`). A router is a TopK over [rows, E] (E static, k a constant below E, mode
-max, on the last axis: Mixtral, Qwen-MoE, GPT-OSS, GraniteMoE as optimum-intel exports them);
-its indices are replaced by the experts fixed by each row's position p,
+max, on the last axis: Mixtral, Qwen-MoE, GPT-OSS, GraniteMoE, PhiMoE as optimum-intel exports
+them; routers that pick a token's experts in turns are one, `router_groups`); its indices are
+replaced by the experts fixed by each row's position p,
 
     experts(p) = {(p * k + j) mod E : j < k}
 
@@ -25,9 +26,9 @@ model runs over at least m when its smallest call holds m rows (a chunk of 16 fo
 Qwen3-MoE's 128 experts, 8 a token).
 
 The row's position is the model's ``position_ids``, flattened: the router's rows are the
-tokens of the call in order, batch 1, in the source and in every static model. A model without
-``position_ids``, or a TopK of another form (GraniteMoE's 1-D sort of rows by expert, a
-sampler's), is not forced; `force_routers` says how many it forced.
+tokens of the call in order, batch 1, in the source and in every static model. A TopK of
+another form (GraniteMoE's 1-D sort of rows by expert) is left alone; a model with routers but
+without ``position_ids`` cannot be forced, which is a VerificationError (`force_routers`).
 """
 
 from __future__ import annotations
@@ -113,12 +114,11 @@ def _k(op: ov.Node) -> int:
 
 
 def experts_of(model: ov.Model) -> tuple[int, int] | None:
-    """(E, k) of the model's routers (the first group's: k the experts a token's picks take
-    together), or None for a model without one."""
-    groups = router_groups(model)
-    if not groups:
-        return None
-    return groups[0][0].get_input_partial_shape(0)[1].get_length(), sum(_k(op) for op in groups[0])
+    """(E, k) of the model's routers, k the experts a token's picks take together (of the
+    group that needs the most positions, ceil(E / k), to pick every expert, where they differ),
+    or None for a model without one."""
+    sizes = [(g[0].get_input_partial_shape(0)[1].get_length(), sum(_k(op) for op in g)) for g in router_groups(model)]
+    return max(sizes, key=lambda s: (math.ceil(s[0] / s[1]), s), default=None)
 
 
 def _positions(model: ov.Model) -> ov.Output | None:
