@@ -482,6 +482,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, source_run, stored_rows
+    from kvc.ir.reader import load
+    from kvc.verify.experts import experts_of
     from kvc.verify.weights import check_directory
     from kvc.verify.peer_drift import peer_for
 
@@ -507,7 +509,10 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
                  and directory_selects(directory, manifest))
     # One engine in memory at a time, as in the compile: the source's runs first, then each
     # backend's pipeline, a peer's runs made before its backend's pipeline is opened.
-    ref = reference_session(source, reference_backend)
+    model = load(source)  # read once: the reference's, and where its routers are (kvc.verify.experts)
+    experts = experts_of(model) if "numpy" in backends else None
+    ref = reference_session(source if reference_backend == "onnxruntime" else model, reference_backend)
+    del model
     references = [source_run(ref, probe.prompt, probe.new_tokens, probe.origin) for probe in cases]
     del ref
     ir_runs = None  # the numpy backend's runs (first), which the other backends are judged against
@@ -544,26 +549,22 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if backend == "numpy":
             ir_runs = runs
     unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
-    if "numpy" in backends:  # every expert's wiring, as the compile proves it (kvc.verify.experts)
-        experts = _forced_experts(source, directory, manifest, cases, reference_backend)
-        if experts is not None:
-            unread["experts"] = experts
+    if experts is not None:  # every expert's wiring, as the compile proves it, on the numpy backend
+        unread["experts"] = _forced_experts(source, directory, manifest, cases, experts, reference_backend)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend, "backend_configs": configs, **unread,
             "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}
 
 
-def _forced_experts(source, directory, manifest: dict, cases, reference_backend: str) -> dict | None:
-    """`kvc verify`'s forced check of a mixture of experts (kvc.verify.experts) on the numpy
-    backend, against the source forced alike on `reference_backend` (OpenVINO CPU in place of
-    ONNX Runtime, which runs .onnx files, not an edited graph); None for a model without routers."""
+def _forced_experts(source, directory, manifest: dict, cases, experts: tuple[int, int],
+                    reference_backend: str) -> dict:
+    """`kvc verify`'s forced check of a mixture of experts (kvc.verify.experts; `experts`: its
+    (E, k)) on the numpy backend, against the source forced alike on `reference_backend`
+    (OpenVINO CPU in place of ONNX Runtime, which runs .onnx files, not an edited graph)."""
     from kvc.ir.reader import load
     from kvc.runtime.session import open_session
-    from kvc.verify.experts import experts_of, force_routers, verify_experts
+    from kvc.verify.experts import force_routers, verify_experts
 
-    found = experts_of(load(source))
-    if found is None:
-        return None
     backend = "numpy" if reference_backend == "numpy" else "openvino"
-    return verify_experts(directory, manifest, cases, found,
+    return verify_experts(directory, manifest, cases, experts,
                           lambda: open_session(force_routers(load(source)), backend))
