@@ -32,7 +32,7 @@ FORCED = "with every router forced to the experts each position fixes (4 experts
 
 @pytest.mark.parametrize("name, experts, per_layer", [
     ("gpt_oss", (4, 2), 1), ("qwen3_moe", (4, 2), 1), ("granitemoe", (4, 2), 1), ("mixtral", (4, 2), 1),
-    ("qwen2_moe", (8, 2), 1), ("phimoe", (4, 2), 2), ("llama", None, 0)])
+    ("qwen2_moe", (8, 2), 1), ("phimoe", (4, 2), 2), ("qwen3_moe_int4_sym_g16", (4, 2), 1), ("llama", None, 0)])
 def test_the_routers_are_the_topks_over_the_experts(name, experts, per_layer):
     """granitemoe's other two TopKs sort rows by expert (1-D, k from the data): not routers;
     qwen2_moe's shared expert is scaled by a sigmoid gate, which routes nothing; phimoe's
@@ -134,7 +134,7 @@ def test_experts_no_probe_routes_to_swapped_are_refused_only_by_the_forced_check
     assert "blobs: CPU" in published.output and (tmp_path / "blind" / MANIFEST).exists()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "phimoe", "qwen3_moe_int4_sym_g16"])
 def test_a_clean_compile_records_and_says_the_forced_check(tmp_path, name):
     """phimoe's two top-1 routers forced apart (not as one group) took the same expert, and the
     forced check refused the clean compile (exit 4)."""

@@ -43,7 +43,8 @@ def replace(op, data, name: str | None = None) -> None:
     op.output(0).replace(new.output(0))
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_oss", "qwen3_moe", "granitemoe_int4_sym_g16", "phi_int8"])
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "qwen3_moe", "granitemoe_int4_sym_g16", "phi_int8",
+                                  "qwen3_moe_int4_sym_g16"])
 def test_a_clean_compile_has_every_weight_of_the_source(name):
     result = check_weights(load(fixtures.path(name)), built(name).models)
     assert result["ok"] and result["compared"] > 10, result
