@@ -273,6 +273,11 @@ VERIFY_HEADERS = ("prompt tokens", "new tokens", "ok", "max abs", "NRMSE", "top-
                   "margin there", "noise before", "verdict")
 
 
+def _probe_table(rows: list[dict]) -> str:
+    """The IR's probe rows against the source, a row each."""
+    return _table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)] for r in rows])
+
+
 def _verification(d: ReportData) -> str:
     from kvc.verify.compiled import probe_label
 
@@ -284,8 +289,7 @@ def _verification(d: ReportData) -> str:
         parts.append(f"<h3>The static IR against the source</h3><p>{_t(v.get('against', ''))}; "
                      f"overall: {'<span class=ok>ok</span>' if v.get('ok') is True else '<span class=bad>FAILED</span>'}"
                      f"</p>")
-        parts.append(_table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
-                                                           for r in v["results"]]))
+        parts.append(_probe_table(v["results"]))
         checks = [(label, v[key]) for key, label in UNREAD_CHECKS if isinstance(v.get(key), dict)]
         if checks:
             parts.append("<ul>" + "".join(f"<li>{_t(label)}: {_t(c.get('reason', ''))}</li>" for label, c in checks)
@@ -293,8 +297,7 @@ def _verification(d: ReportData) -> str:
         forced = v.get("experts")
         if isinstance(forced, dict) and isinstance(forced.get("results"), list):
             parts.append("<h3>Every expert: the probes again, each router forced, against the source forced alike</h3>")
-            parts.append(_table(["backend", *VERIFY_HEADERS], [[r.get("backend"), *(r.get(c) for c in VERIFY_COLUMNS)]
-                                                               for r in forced["results"] if isinstance(r, dict)]))
+            parts.append(_probe_table([r for r in forced["results"] if isinstance(r, dict)]))
     if blob_rows:
         parts.append("<h3>Every blob, imported as kvc run imports it, against the IR</h3>")
         parts.append(_table(["device", "variants", *VERIFY_HEADERS],

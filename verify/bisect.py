@@ -33,7 +33,7 @@ from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatc
 from kvc.runtime.generate import first_step_feed
 from kvc.runtime.session import NumpySession
 from kvc.verify.embedding import model_differs, source_table
-from kvc.verify.experts import experts_of, force_routers
+from kvc.verify.experts import experts_of, force_routers, forced_routing
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
 from kvc.verify.probe import dynamic_logits, is_static, static_feed
@@ -131,8 +131,7 @@ def _bisect(model: ov.Model, options: StaticOptions, prompt, steps: int, seed: i
 
 
 def _forced_reason(experts: tuple[int, int], a: float, n: float) -> str:
-    return (f"with every router forced to the experts each position fixes ({experts[0]} experts, {experts[1]} a "
-            f"token), the logits differ (max abs {a:.3g}, NRMSE {n:.3g})")
+    return f"with {forced_routing(experts)}, the logits differ (max abs {a:.3g}, NRMSE {n:.3g})"
 
 
 def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int, int]) -> str | None:
@@ -144,20 +143,13 @@ def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int
     while shift < shifts:
         forced = force_routers(model.clone(), shift)
         feed = static_feed(forced, force_routers(lifted.clone(), shift), tokens)
-        if shift == 0 and _step_positions(forced, feed) * per_token < count:
+        if shift == 0 and feed.positions * per_token < count:
             shifts = math.ceil(count / per_token)
         a, n, ok = _judge(feed.ref_logits, NumpySession(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
         if not ok:
             return _forced_reason(experts, a, n)
         shift += 1
     return None
-
-
-def _step_positions(model: ov.Model, feed) -> int:
-    """How many positions a static step (`static_feed`) runs: its valid rows of input_ids."""
-    rows = next(p for p in model.inputs if "input_ids" in p.get_names()).get_shape()[-1]
-    mask = feed.inputs.get("attention_mask")
-    return rows if mask is None else int(np.count_nonzero(mask[0, -rows:]))
 
 
 class _Unread:

@@ -166,7 +166,7 @@ def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     return model
 
 
-def forced_cases(cases, plan, experts: int, per_token: int) -> list:
+def forced_cases(cases, experts: int, per_token: int) -> list:
     """The compile's probe `cases` for the forced run: each generate variant's far probe (a
     decode over its last 2 positions) decoded over its last max(2, ceil(E / k)) instead, so that
     it runs every expert (the module's rule); the other probes as they are."""
@@ -184,6 +184,11 @@ def forced_cases(cases, plan, experts: int, per_token: int) -> list:
     return forced
 
 
+def forced_routing(experts: tuple[int, int]) -> str:
+    """How a verdict names the forced routing of (E, k) experts."""
+    return f"every router forced to the experts each position fixes ({experts[0]} experts, {experts[1]} a token)"
+
+
 def verify_experts(directory, manifest: dict, cases, experts: tuple[int, int], reference, on_case=None) -> dict:
     """The forced check (the module's rule): the static IR written to `directory`, its routers
     forced, on kvc's numpy runtime against `reference()` (a session of the source, its routers
@@ -195,17 +200,14 @@ def verify_experts(directory, manifest: dict, cases, experts: tuple[int, int], r
     from kvc.verify.compiled import ir_generations, verify_static
 
     plan = plan_of(manifest)
-    forced = forced_cases(cases, plan, *experts)
+    forced = forced_cases(cases, *experts)
     ir_gens = ir_generations(directory, manifest, forced, on_case, edit=force_routers)
     result = verify_static(reference(), plan, forced, ir_gens)
-    count, per_token = experts
     if result["ok"]:
-        reason = (f"every router forced to the experts each position fixes ({count} experts, {per_token} a token): "
-                  f"{len(forced)} probes agree with the source forced alike")
+        reason = f"{forced_routing(experts)}: {len(forced)} probes agree with the source forced alike"
     else:
         from kvc.verify.compiled import probe_label
 
         bad = next(r for r in result["results"] if not r["ok"])
-        reason = (f"with every router forced to the experts each position fixes ({count} experts, {per_token} a "
-                  f"token), {probe_label(bad)}: {bad['reason']}")
-    return {"experts": count, "per_token": per_token, **result, "reason": reason}
+        reason = f"with {forced_routing(experts)}, {probe_label(bad)}: {bad['reason']}"
+    return {"experts": experts[0], "per_token": experts[1], **result, "reason": reason}

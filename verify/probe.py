@@ -31,6 +31,7 @@ class StaticFeed:
     rows: slice  # logits rows of the valid positions (model output)
     ref_logits: np.ndarray  # [n, V] reference logits for those positions
     f16: bool
+    positions: int  # how many positions the step runs (its valid input rows)
 
 
 def is_static(model: ov.Model) -> bool:
@@ -87,7 +88,7 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     rows = slice(logits_len - n, logits_len) if logits_len == L else slice(logits_len - 1, logits_len)
     if logits_len != L:
         ref_logits = ref_logits[-1:]
-    return StaticFeed(feed, rows, ref_logits, f16)
+    return StaticFeed(feed, rows, ref_logits, f16, n)
 
 
 def _place(rows: np.ndarray | None, port: ov.Output) -> tuple[np.ndarray, bool]:
