@@ -25,8 +25,9 @@ def _backends(text: str) -> tuple[str, ...]:
 @click.option("--against", type=click.Path(exists=True, path_type=Path), default=None,
               help="The original model (default: the source recorded in the manifest).")
 @click.option("--backends", default=None,
-              help="Comma-separated: numpy,openvino,npu. Default: numpy,openvino; with --goldens, the backend "
-                   "they were recorded on; with --record, numpy.")
+              help="Comma-separated: numpy,openvino,npu. Default: numpy and the backend of each device OUT "
+                   "has blobs for (openvino for CPU, npu for NPU; openvino with --from-ir); with --goldens, the "
+                   "backend they were recorded on; with --record, numpy.")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON list of token-id lists (default: prompts of 1, P/2 and P tokens).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
@@ -59,7 +60,7 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
                 lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], _dash(r["first_divergent_token"]),
                            f"{r['max_logit_drift']:.2g}", r["reason"]))
         return
-    backend_list = _backends(backends or "numpy,openvino")
+    backend_list = _backends(backends) if backends else default_backends(out, from_ir)
     if record is not None:
         if prompts is None:
             from kvc.export.manifest import plan_of, read_manifest
@@ -82,6 +83,18 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
             lambda r: (r["backend"], r["prompt"], _tokens(r), f"{r['max_abs']:.2g}", f"{r['nrmse']:.2g}",
                        f"{r['top1']:.2f}", _dash(r["first_divergent_token"]),
                        f"{r['cache_error']:.2g}" if "cache_error" in r else "-", r["reason"]))
+
+
+def default_backends(out: Path, from_ir: bool) -> tuple[str, ...]:
+    """numpy, then the backend of each device OUT has blobs for (what `kvc run --backend` runs
+    there); openvino with `from_ir`."""
+    from kvc.export.load import BACKEND_OF_DEVICE
+    from kvc.export.manifest import read_manifest
+
+    if from_ir:
+        return ("numpy", "openvino")
+    blobs = read_manifest(out)["models"]["prefill"]["blobs"]
+    return ("numpy", *(BACKEND_OF_DEVICE[d] for d in sorted(blobs) if d in BACKEND_OF_DEVICE))
 
 
 def _tokens(row: dict) -> str:

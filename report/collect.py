@@ -112,7 +112,8 @@ class CompileRecorder:
         self.against = "the static IR on kvc's numpy runtime against the source model on OpenVINO CPU f32"
         for probe, got in zip(cases, ir_gens):
             self.probe_steps.append({**probe_row(probe),
-                                     **per_step(greedy(reference, probe.prompt, probe.new_tokens, origin=probe.origin),
+                                     **per_step(greedy(reference, probe.prompt, probe.new_tokens, origin=probe.origin,
+                                                             filled=probe.filled),
                                                 got)})
 
     def finish(self, work: Path, dumps: Path | None) -> None:

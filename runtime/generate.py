@@ -38,7 +38,84 @@ class Generation:
     # variables by variable id, a stateless one's last past by input name; the checks hold every
     # cache by the static models' input names (kvc.verify.cache_rows).
     cache: dict[str, np.ndarray] | None = None
-    origin: int = 0  # the prompt's first position: the rows before it are empty (compile's far probes)
+    origin: int = 0  # the prompt's first position (compile's far probes)
+    # The rows before `origin` hold `far_past` rows, attended; else they are empty and masked.
+    filled: bool = False
+
+
+# A far past's values: q / FAR_PAST_SCALE for integers q of at most FAR_PAST_RANGE, exact in
+# f32, f16 and bf16 (a multiple of 2^-5 below 2), so a static cache of any float type holds
+# the very values the source model's cache is given.
+FAR_PAST_SCALE = 32
+FAR_PAST_BASE = 32
+FAR_PAST_SPREAD = 8
+
+
+def far_past(name: str, shape, seq_axis: int) -> np.ndarray:
+    """The synthetic KV rows compile's far probes start over (`kvc.verify.compiled.probe_cases`),
+    f32 of `shape`, for the cache tensor named `name` (a static model's input name,
+    past_key_values.N.key): distinct in every row and head, a function of the name, the row
+    and the row's other indices in order only, so a layout that moves the sequence axis (values
+    stored [B, H, D, S]) holds the same values at the same rows, and a longer past begins with a
+    shorter one."""
+    import zlib
+
+    shape = [int(d) for d in shape]
+    rows = shape.pop(seq_axis)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    size = int(np.prod(shape))
+    base = rng.integers(-FAR_PAST_BASE, FAR_PAST_BASE + 1, (1, size), dtype=np.int64)
+    q = base + rng.integers(-FAR_PAST_SPREAD, FAR_PAST_SPREAD + 1, (rows, size), dtype=np.int64)
+    return np.moveaxis((q / FAR_PAST_SCALE).astype(np.float32).reshape([rows, *shape]), 0, seq_axis)
+
+
+def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, int]]]:
+    """Seed a session's empty cache with `rows` far-past rows (`far_past`): a stateless
+    session's past inputs (returned), a stateful one's variables (set); and, for each cache
+    tensor by the name its cache is kept under (`Generation.cache`), its static input name and
+    sequence axis. A zero-length cache names its sequence axis by its last empty dimension
+    (the first is the batch's, as OpenVINO's variables start)."""
+    from kvc.passes.lift_state import lifted_name
+
+    def seeded(name, array, static):
+        dims = [i for i, d in enumerate(array.shape) if d == 0]
+        if not dims:
+            raise UsageError(f"cannot seed {name} {list(array.shape)} with a far past: no empty sequence axis")
+        shape = list(array.shape)
+        if len(dims) > 1:
+            shape[dims[0]] = 1
+        shape[dims[-1]] = rows
+        axes[name] = (static, dims[-1])
+        return far_past(static, shape, dims[-1]).astype(array.dtype)
+
+    axes: dict[str, tuple[str, int]] = {}
+    if is_stateless(session):
+        past = empty_past(session, 1)
+        past = {name: seeded(name, v, name) if name != "past_beam_table" else v for name, v in past.items()}
+        if not axes:
+            raise UsageError(f"cannot seed a far past: the {type(session).__name__} takes no past")
+        return past, axes
+    for variable, value in _empty_state(session).items():
+        session.set_state(variable, seeded(variable, value, lifted_name(variable).input_name))
+    if not axes:
+        raise UsageError(f"cannot seed a far past: the {type(session).__name__} shows no cache to seed")
+    return {}, axes
+
+
+def _empty_state(session: Session) -> dict[str, np.ndarray]:
+    """A reset stateful session's variables, empty: OpenVINO's as it holds them ([0, H, 0, D]),
+    kvc's interpreter's (which holds none until a step assigns them) zero-length from their
+    declared shapes (`_zero_len`)."""
+    from kvc.runtime.ops.registry import to_dtype
+    from kvc.runtime.session import NumpySession
+
+    if not isinstance(session, NumpySession):
+        return session.state()
+    empty = {}
+    for variable, info in session.interpreter._variables.items():
+        dims = [d.get_length() if d.is_static else None for d in info.data_shape]
+        empty[variable] = _zero_len(variable, dims, 1, to_dtype(info.data_type))
+    return empty
 
 
 def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 0) -> dict[str, np.ndarray]:
@@ -109,10 +186,11 @@ def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
 
 
 def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
-           reset: bool = True, keep_cache: bool = False, origin: int = 0) -> Generation:
+           reset: bool = True, keep_cache: bool = False, origin: int = 0, filled: bool = False) -> Generation:
     """Greedy decoding of one prompt (batch 1): argmax each step, no early stop; with
     `keep_cache`, the cache it leaves in `Generation.cache`; `origin`: the prompt's first
-    position (`step_inputs`)."""
+    position (`step_inputs`), and with `filled` the cache starts with `origin` rows of
+    `far_past`, attended (the kept cache then leaves them out: its rows are the prompt's on)."""
     ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
     if ids.shape[1] == 0:
         raise UsageError("the prompt is empty")
@@ -120,8 +198,13 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         session.reset()
     stateless = is_stateless(session)
     past = empty_past(session, 1) if stateless else {}
-    gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin)
-    past_len = 0
+    gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin, filled=bool(filled and origin))
+    past_len, axes = 0, {}
+    if gen.filled:  # the far past is the cache's first `origin` rows: positions count on from them
+        if not reset:
+            raise UsageError("a far past seeds an empty cache: greedy(filled=True) needs reset")
+        past, axes = _far_past_cache(session, origin)
+        past_len, origin = origin, 0
     step_ids = ids
     for step in range(max_new_tokens):
         feed = step_inputs(session, step_ids, past_len, origin)
@@ -140,4 +223,6 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         step_ids = np.array([[token]], dtype=np.int64)
     if keep_cache:
         gen.cache = dict(past) if stateless else session.state()
+        for name, (_, axis) in axes.items():
+            gen.cache[name] = np.take(gen.cache[name], range(gen.origin, gen.cache[name].shape[axis]), axis)
     return gen

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
-from kvc.runtime.generate import Generation
+from kvc.runtime.generate import Generation, far_past
 from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
 
@@ -159,6 +159,20 @@ class StaticPipeline:
         for spec in self.kv:
             self._store(spec, rows[spec.input], at)
 
+    def fill_far_past(self, rows: int) -> None:
+        """Rows `[0, rows)` of every cache tensor as `far_past` gives them, what a far probe
+        starts over (`kvc.verify.compiled.probe_cases`; the source model's cache is given the
+        same, `greedy(filled=True)`): exact in a float cache. An int8 cache is refused: its keys
+        are read back through calibrated channel magnitudes the source cannot be given."""
+        floats = ("f32", "f16", "bf16")
+        if any(spec.element_type not in floats or spec.kind.endswith("_scale") for spec in self.kv):
+            raise UsageError("a far past needs a float cache (f32, f16 or bf16), not "
+                             f"{sorted({spec.element_type for spec in self.kv} - set(floats))}")
+        for spec in self.kv:
+            shape = list(spec.shape)
+            shape[spec.seq_axis] = rows
+            self._store(spec, far_past(spec.input, shape, spec.seq_axis).astype(self.buffers[spec.input].dtype), 0)
+
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
     def step_feed(session: Session, ids, mask, positions) -> dict:
@@ -260,7 +274,8 @@ class StaticPipeline:
                                 sampling=sampling, on_token=on_token, start_variant=start_variant)
 
     def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0,
-                       placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = (), origin: int = 0) -> "Prefilled":
+                       placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = (), origin: int = 0,
+                       filled: bool = False) -> "Prefilled":
         """The first half of `generate`: check the request and fill the cache with the prompt.
         `decode_from` finishes it, with the cache as this left it (or as `restore_rows` put
         it back).
@@ -272,9 +287,10 @@ class StaticPipeline:
 
         `origin`: the prompt's first position, a multiple of the chunk (a chunked prefill
         only): the rows before it stay empty and every call masks them, as if the sequence
-        began there. What compile's far probes run (`kvc.verify.compiled.probe_cases`): the
-        last calls before P, over the last slots of each chunk model's past, at a few calls'
-        cost."""
+        began there; with `filled`, they hold a far past (`fill_far_past`), attended, as if
+        the sequence had run there. What compile's far probes run
+        (`kvc.verify.compiled.probe_cases`): the last calls before P, over every slot of each
+        chunk model's past, at a few calls' cost."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
@@ -304,10 +320,13 @@ class StaticPipeline:
         self.clear_from(reuse)  # rows past the prompt's restored ones
         for at, rows in placed:
             self.restore_rows(rows, at)
+        filled = bool(filled and origin)
+        if filled:
+            self.fill_far_past(origin)
         gen = StaticGeneration(prompt=[int(t) for t in prompt[origin:]], cached_tokens=reuse,
-                               placed_tokens=sum(b - a for a, b in skip), origin=origin)
+                               placed_tokens=sum(b - a for a, b in skip), origin=origin, filled=filled)
         started = time.perf_counter()
-        last, gen.prompt_logits = self._prefill(prompt, max(reuse, origin), tuple(skip), origin)
+        last, gen.prompt_logits = self._prefill(prompt, max(reuse, origin), tuple(skip), 0 if filled else origin)
         gen.prefill_seconds = time.perf_counter() - started
         if reuse or skip:
             gen.prompt_logits = None  # the restored positions' logits were not computed
@@ -322,8 +341,8 @@ class StaticPipeline:
         with a free row: compile's switch probe starts a long prompt on a small variant to
         reach the next one in a few steps)."""
         L, gen, last = self.lengths, run.generation, run.last
-        origin = gen.origin
-        n = origin + len(gen.prompt)  # the rows in the cache, empty ones before the origin included
+        n = gen.origin + len(gen.prompt)  # the rows in the cache, those before the origin included
+        origin = 0 if gen.filled else gen.origin  # the first row attended
         sizes = sorted(self.generate_sessions)
         variant = first_variant(L, n)
         if start_variant is not None:
@@ -353,10 +372,12 @@ class StaticPipeline:
             gen.variants.append(variant)
             gen.step_seconds.append(time.perf_counter() - started)
 
-    def decode_prompt(self, prompt, new_tokens: int, *, variant: int, origin: int) -> StaticGeneration:
+    def decode_prompt(self, prompt, new_tokens: int, *, variant: int, origin: int,
+                      filled: bool = False) -> StaticGeneration:
         """Greedy decoding on generate variant `variant` alone, the prompt fed to it a token a
         step from position `origin` on (the rows before it empty and masked, as if the
-        sequence began there): compile's far probe of a variant (`kvc.verify.compiled.probe_cases`),
+        sequence began there, or with `filled` a far past, attended: `fill_far_past`):
+        compile's far probe of a variant (`kvc.verify.compiled.probe_cases`),
         which reaches its last positions in a few steps, where a prompt from position 0 would
         need a prefill and then one step a position. The logits are those of the new tokens."""
         prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
@@ -367,10 +388,13 @@ class StaticPipeline:
             raise UsageError(f"cannot decode a {len(prompt)}-token prompt and {new_tokens} new tokens on generate "
                              f"variant {variant} from position {origin}")
         self.clear_from(0)
-        gen = StaticGeneration(prompt=[int(t) for t in prompt], origin=origin)
-        stored, kept = origin, True
+        filled = bool(filled and origin)
+        if filled:
+            self.fill_far_past(origin)
+        gen = StaticGeneration(prompt=[int(t) for t in prompt], origin=origin, filled=filled)
+        stored, kept, attended = origin, True, 0 if filled else origin
         for token in prompt:
-            last, kept = self._decode_step(variant, int(token), stored, origin)
+            last, kept = self._decode_step(variant, int(token), stored, attended)
             stored += 1
         while True:
             token = int(np.argmax(last))
@@ -378,7 +402,7 @@ class StaticPipeline:
             gen.logits.append(np.array(last, copy=True))
             if len(gen.tokens) >= new_tokens:
                 break
-            last, kept = self._decode_step(variant, token, stored, origin)
+            last, kept = self._decode_step(variant, token, stored, attended)
             stored += 1
             gen.variants.append(variant)
         gen.kv_rows = stored if kept else stored - 1

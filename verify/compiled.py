@@ -12,22 +12,34 @@ from kvc.runtime.sampling import JUDGED
 class Probe(NamedTuple):
     """A compile probe: the prompt, how many tokens to generate, the generate variant to start
     on (None: the runtime's own choice, the smallest that holds the prompt and R), and the
-    prompt's first position `origin` (the rows before it empty and masked); with `decode`, the
-    prompt is fed to the `start` variant alone, a token a step (`StaticPipeline.decode_prompt`)."""
+    prompt's first position `origin` (the rows before it empty and masked, or with `filled` a
+    far past both sides are given, attended: `kvc.runtime.generate.far_past`); with `decode`,
+    the prompt is fed to the `start` variant alone, a token a step
+    (`StaticPipeline.decode_prompt`)."""
 
     prompt: list[int]
     new_tokens: int
     start: int | None = None
     origin: int = 0
     decode: bool = False
+    filled: bool = False
 
 
 def run_probe(pipe, probe: Probe):
     """A probe through a static pipeline (any backend): its StaticGeneration."""
     if probe.decode:
-        return pipe.decode_prompt(probe.prompt, probe.new_tokens, variant=probe.start, origin=probe.origin)
-    return pipe.generate(probe.prompt, probe.new_tokens, start_variant=probe.start, origin=probe.origin,
-                         sampling=JUDGED)
+        return pipe.decode_prompt(probe.prompt, probe.new_tokens, variant=probe.start, origin=probe.origin,
+                                  filled=probe.filled)
+    return pipe.decode_from(pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin,
+                                                filled=probe.filled),
+                            start_variant=probe.start, sampling=JUDGED)
+
+
+def source_probe(session, probe: Probe):
+    """A probe on the source model (`source_run`): from its origin, over the same far past."""
+    from kvc.verify.cache_rows import source_run
+
+    return source_run(session, probe.prompt, probe.new_tokens, probe.origin, probe.filled)
 
 
 BULK_TOKENS = 2
@@ -35,11 +47,12 @@ BULK_TOKENS = 2
 # What a verification holds besides its probes' rows, by key and label: the checks of what no
 # probe need read (the embedding table and every weight, kvc.verify.weights; every expert's
 # wiring, each router forced, kvc.verify.experts).
-UNREAD_CHECKS = (("embedding", "embedding table"), ("weights", "weights"), ("experts", "experts"))
+UNREAD_CHECKS = (("embedding", "embedding table"), ("weights", "weights"), ("experts", "experts"),
+                 ("copies", "copied files"))
 
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None,
-                specials=()) -> list[Probe]:
+                specials=(), filled: bool = True) -> list[Probe]:
     """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
     at most P), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
     what fits), the generate models' probe; then prompts until every chunk model has run over a
@@ -71,10 +84,20 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     calls: each chunk model's last call before P over rows written just before it, and each
     generate variant's last two steps. Without them the checks ran positions up to 26 of 128
     (the llama fixture at P 64): a generate model whose positions were clamped to P - 1, a
-    chunk model that read only the first C slots of its past, were published. The probes from
-    position 0 above still run each chunk model over the first slots of its past (a far probe
-    reads only the last ones); a variant the far probes run needs no short prompt started on
-    it below.
+    chunk model that read only the first C slots of its past, were published. With `filled`
+    (every float cache: the callers pass `far_past_fits`), each starts over a far past
+    (`kvc.runtime.generate.far_past`: distinct synthetic rows in every slot before its origin,
+    the static cache and the source model's given the same values, attended), so its calls read
+    every slot of their past at no more rows: over empty rows, a generate model that never
+    attended a stretch in the middle of its past was published (no probe from position 0
+    fills it). A generate variant's far probe also runs over empty rows, as it did, at the
+    cost of three steps: there its last steps attend only the rows they wrote, and a blob that
+    never read its last past slot moved the bf16 logits past the plugin's drift, where over a
+    far past of 126 rows that one row's weight flipped a token only at a near-tie. An int8
+    cache cannot hold a far past (its keys are read back through calibrated channel
+    magnitudes), so its far probes start over empty, masked rows. The probes from
+    position 0 above still run each chunk model over rows the models themselves wrote; a
+    variant the far probes run needs no short prompt started on it below.
 
     Every variant no probe above runs (with three or more, `variants_run`) gets a short prompt
     started on it and BULK_TOKENS: one step on it (a variant of four that no probe reached was
@@ -114,12 +137,23 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
     for size, origin, decode in far:
         if decode:  # one token at the variant's last but one position, then the last step
-            cases.append(Probe(rng.integers(1, vocab, 1).tolist(), 2, size, origin, True))
+            prompt = rng.integers(1, vocab, 1).tolist()
+            cases.append(Probe(prompt, 2, size, origin, True))
+            if filled:  # and again over a far past
+                cases.append(Probe(prompt, 2, size, origin, True, True))
         else:  # a call of the smallest chunk, then the chunk model's call that ends at P
             length = size + plan.chunk
             cases.append(Probe(rng.integers(1, vocab, length).tolist(),
-                               min(tokens, BULK_TOKENS, max_new_tokens(plan, origin + length)), None, origin))
+                               min(tokens, BULK_TOKENS, max_new_tokens(plan, origin + length)), None, origin,
+                               filled=filled))
     return cases
+
+
+def far_past_fits(kv_element_types) -> bool:
+    """Whether a cache of these element types holds a far past (`probe_cases`): a float one."""
+    from kvc.runtime.compare import int8_kv
+
+    return not int8_kv(kv_element_types)
 
 
 def _far_probes(plan) -> list[tuple[int, int, bool]]:
@@ -237,7 +271,7 @@ def verify_static(reference, plan, cases, ir_gens, selecting: bool = False) -> d
     did, for attention sinks). `plan`: the static models' (`StaticPlan`); `selecting`: the
     models select (TopK), for the step bound."""
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
-    from kvc.verify.cache_rows import WIDENED_ROW_ERROR, source_run
+    from kvc.verify.cache_rows import WIDENED_ROW_ERROR
 
     kv_types = plan.kv_element_types
     exact = widens(kv_types)  # the IR ran widened (`ir_generations`): judged as f32
@@ -248,7 +282,7 @@ def verify_static(reference, plan, cases, ir_gens, selecting: bool = False) -> d
     results = []
     for probe, got in zip(cases, ir_gens):
         results.append({"backend": "numpy", **probe_row(probe),
-                        **judge_run(source_run(reference, probe.prompt, probe.new_tokens, probe.origin), got,
+                        **judge_run(source_probe(reference, probe), got,
                                     plan.kv, reduced=reduced, limit=limit, step_bound=bound,
                                     row_bounds=rows)})
     against = "source model on OpenVINO CPU f32" + (" (the IR's cache widened to f32)" if exact else "")
@@ -354,7 +388,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     policy = blob_policy(kv_types, selecting, backend, config)
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
     if peer is not None:
-        peer.prepare([(probe.prompt, len(exact.tokens), probe.origin) for probe, exact in zip(cases, ir_gens)])
+        peer.prepare([probe._replace(new_tokens=len(exact.tokens)) for probe, exact in zip(cases, ir_gens)])
     # The prefill blob for every case, then the generate blobs: unless kept, never both in
     # memory (each import maps weights.bin and packs the weights again), so checking costs no
     # more memory than the compile.
@@ -364,7 +398,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         if probe.decode:  # fed to a generate variant alone: nothing to prefill
             prefilled.append(None)
         else:
-            run = pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin)
+            run = pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin, filled=probe.filled)
             prefilled.append((run, pipe.copy_rows(probe.origin, probe.origin + len(probe.prompt))))
         if on_step is not None:
             on_step(i, steps)
@@ -378,6 +412,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         else:
             run, kv = done
             pipe.clear_from(0)
+            if run.generation.filled:
+                pipe.fill_far_past(probe.origin)
             pipe.restore_rows(kv, probe.origin)
             got = pipe.decode_from(run, start_variant=probe.start, sampling=JUDGED)
         if on_step is not None:
@@ -481,7 +517,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.static_pipeline import max_new_tokens
-    from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, source_run, stored_rows
+    from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, stored_rows
     from kvc.ir.reader import load
     from kvc.verify.experts import experts_of
     from kvc.verify.weights import check_directory
@@ -490,6 +526,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest, sha256=True)
+    _check_backends(manifest, backends, from_ir)
     source = Path(against) if against else recorded_source(manifest, directory)
     is_recorded_source = against is None or source_hashes(source) == manifest["source"]["sha256"]
     plan = plan_of(manifest)
@@ -498,7 +535,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     specials = special_ids(directory, vocab)
     prompts = prompts or default_prompts(lengths, vocab, specials=specials)
     cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]
-    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), specials=specials)
+    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), specials=specials,
+                         filled=far_past_fits(plan.kv_element_types))
     kv_types = plan.kv_element_types
     exact = widens(kv_types)  # the numpy backend runs the IR widened, as the compile's check does
     rows = []
@@ -513,7 +551,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     experts = experts_of(model) if "numpy" in backends else None
     ref = reference_session(source if reference_backend == "onnxruntime" else model, reference_backend)
     del model
-    references = [source_run(ref, probe.prompt, probe.new_tokens, probe.origin) for probe in cases]
+    references = [source_probe(ref, probe) for probe in cases]
     del ref
     ir_runs = None  # the numpy backend's runs (first), which the other backends are judged against
     for backend in sorted(backends, key=lambda b: b != "numpy"):
@@ -533,7 +571,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         # drift on each prompt sets, as the compile's blob check judged it (peer_drift).
         peer = peer_for(source, backend, config, kv_types) if reference_backend == "openvino" else None
         if peer is not None:
-            peer.prepare([(probe.prompt, len(run.tokens), probe.origin) for probe, run in zip(cases, exacts)])
+            peer.prepare([probe._replace(new_tokens=len(run.tokens)) for probe, run in zip(cases, exacts)])
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widened)  # files checked above
         runs = []
         for i, probe in enumerate(cases):
@@ -549,11 +587,49 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if backend == "numpy":
             ir_runs = runs
     unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
+    unread["copies"] = check_copies(source, directory, manifest)
     if experts is not None:  # every expert's wiring, as the compile proves it, on the numpy backend
         unread["experts"] = _forced_experts(source, directory, manifest, cases, experts, reference_backend)
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend, "backend_configs": configs, **unread,
             "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}
+
+
+def check_copies(source, directory, manifest: dict) -> dict:
+    """The files the compile copied beside the models (the tokenizer's, config.json,
+    generation_config.json: what `kvc run` reads to turn text into ids and to stop, and what
+    `kvc verify` reads for the window and special ids it probes) against the source model's,
+    byte for byte: the manifest's hashes prove only that they are what the compile wrote."""
+    from kvc.export.compile import TOKENIZER_FILES
+    from kvc.ir.reader import resolve
+
+    root = resolve(source).root
+    for name in manifest.get("tokenizer", []):
+        if name not in TOKENIZER_FILES:
+            return {"ok": False, "reason": f"the manifest lists {str(name)[:80]!r}, which kvc never copies"}
+        theirs = root / name
+        if not theirs.is_file():
+            return {"ok": False, "reason": f"{name} has no counterpart beside the source model ({theirs})"}
+        if theirs.read_bytes() != (directory / name).read_bytes():
+            return {"ok": False, "reason": f"{name} differs from the source model's ({theirs})"}
+    copied = manifest.get("tokenizer", [])
+    return {"ok": True, "files": len(copied),
+            "reason": f"all {len(copied)} identical to the source model's" if copied else "none copied"}
+
+
+def _check_backends(manifest: dict, backends, from_ir: bool) -> None:
+    """Refuse a device backend OUT has no blobs for (unless `from_ir`): its pipeline would
+    compile the IR, and a verdict on it would say nothing of the blobs `kvc run` runs."""
+    from kvc.errors import UsageError
+    from kvc.export.load import DEVICE_OF_BACKEND
+
+    blobs = manifest["models"]["prefill"]["blobs"]
+    for backend in backends:
+        device = DEVICE_OF_BACKEND.get(backend)
+        if device is not None and device not in blobs and not from_ir:
+            have = ", ".join(sorted(blobs)) or "none"
+            raise UsageError(f"the {backend} backend runs {device} blobs, and this directory has none (its blobs: "
+                             f"{have}); --from-ir runs its IR on {device} instead")
 
 
 def _forced_experts(source, directory, manifest: dict, cases, experts: tuple[int, int],

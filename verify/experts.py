@@ -178,7 +178,7 @@ def forced_cases(cases, experts: int, per_token: int) -> list:
         if probe.decode and probe.start is not None and probe.start >= steps:
             # a token a step from position start - steps, then the last step's own token
             prompt = (probe.prompt * steps)[: steps - 1]
-            forced.append(Probe(prompt, 2, probe.start, probe.start - steps, True))
+            forced.append(Probe(prompt, 2, probe.start, probe.start - steps, True, probe.filled))
         else:
             forced.append(probe)
     return forced

@@ -57,8 +57,11 @@ ROW_FLOOR = 1.5e-3
 # The plugin's KV cache precision for each cache element type kvc stores.
 _KV_CACHE_PRECISION = {"f32": "f32", "f16": "f16", "bf16": "bf16", "i8": "u8", "u8": "u8"}
 _UNBOUNDED = dict.fromkeys(_KV_CACHE_PRECISION, 1e30)  # finite: compare_cache ranks rows by error / bound
-# Import-configuration keys that say where a blob lives, not how it computes.
-_NOT_ARITHMETIC = ("WEIGHTS_PATH", "CACHE_MODE")
+# The import-configuration keys the peer takes: how the CPU blobs compute (`import_config`
+# records both). Every other key stays out, whatever the manifest says: a manifest or a blob
+# cache record that added KEY_CACHE_PRECISION u4 gave the peer a 4-bit cache, whose drift
+# then excused a blob 30% off (its CPU import ignores the key).
+_ARITHMETIC = ("INFERENCE_PRECISION_HINT", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
 
 
 def _bound(measured: float, floor: float, ceiling: float) -> float:
@@ -154,7 +157,7 @@ class Peer:
     before the blobs are imported."""
 
     def __init__(self, source: Path, import_config: dict, kv_element_types) -> None:
-        self.config = {k: v for k, v in import_config.items() if k not in _NOT_ARITHMETIC}
+        self.config = {k: v for k, v in import_config.items() if k in _ARITHMETIC}
         kv = next((t for t in kv_element_types if t in _KV_CACHE_PRECISION), None)
         if kv is not None:
             self.config["KV_CACHE_PRECISION"] = _KV_CACHE_PRECISION[kv]
@@ -174,30 +177,30 @@ class Peer:
             precision += f" (activations quantized to 8 bits in groups of {group})"
         return precision
 
-    def run(self, prompt, new_tokens: int, origin: int = 0):
-        """The peer's greedy run of `prompt` from position `origin` (`source_run`), its cache
-        kept; each probe run once."""
+    def run(self, prompt, new_tokens: int, origin: int = 0, filled: bool = False):
+        """The peer's greedy run of `prompt` from position `origin`, over a far past with
+        `filled` (`source_run`), its cache kept; each probe run once."""
         from kvc.verify.cache_rows import source_run
 
-        key = (tuple(int(t) for t in prompt), new_tokens, origin)
+        key = (tuple(int(t) for t in prompt), new_tokens, origin, filled)
         if key not in self._runs:
             if self._session is None:
                 from kvc.ir import load
                 from kvc.runtime.session import OpenVINOSession
 
                 self._session = OpenVINOSession(load(self.source), "CPU", self.config, exact=False)
-            self._runs[key] = source_run(self._session, prompt, new_tokens, origin)
+            self._runs[key] = source_run(self._session, prompt, new_tokens, origin, filled)
         return self._runs[key]
 
     def prepare(self, probes) -> None:
-        """Run each of `probes` (prompt, new tokens, origin) now, then free the compiled source
+        """Run each of `probes` (`kvc.verify.compiled.Probe`s) now, then free the compiled source
         model (the runs stay): the blob check does so before it imports the blobs, so that the
         two are never in memory together. A failure is left for `judge` to meet and report."""
         from kvc.errors import KvcError
 
         try:
-            for prompt, new_tokens, origin in probes:
-                self.run(prompt, new_tokens, origin)
+            for probe in probes:
+                self.run(probe.prompt, probe.new_tokens, probe.origin, probe.filled)
         except (KvcError, RuntimeError):
             pass
         self._session = None
@@ -213,7 +216,7 @@ class Peer:
         from kvc.runtime.compare import first_divergence
         from kvc.verify.compiled import judge_run
 
-        peer = self.run(prompt, new_tokens, getattr(exact, "origin", 0))  # a far probe's start
+        peer = self.run(prompt, new_tokens, getattr(exact, "origin", 0), getattr(exact, "filled", False))
         if not hasattr(exact, "kv_rows"):  # not a static pipeline's run: its cache is the source's layout
             peer = dataclasses.replace(peer, cache=None)
         # The peer's run as the reference (its cache in the source's layout, as compare_cache

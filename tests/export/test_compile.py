@@ -1217,8 +1217,8 @@ def test_compile_verification_runs_every_generate_variant(tmp_path, monkeypatch)
 
     _fault_in(monkeypatch, "generate-128", HalvePastValues())
     options = dataclasses.replace(SMALL, variants=(80, 96, 112))
-    assert [(p.start, p.origin) for p in probe_cases(options.lengths(), 1000) if p.decode] == [
-        (80, 78), (96, 94), (112, 110), (128, 126)]
+    assert [(p.start, p.origin, p.filled) for p in probe_cases(options.lengths(), 1000) if p.decode] == [
+        (size, size - 2, filled) for size in (80, 96, 112, 128) for filled in (False, True)]
     with pytest.raises(VerificationError, match="prompt of 1 token from position 126: logits differ"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()

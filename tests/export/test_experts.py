@@ -106,12 +106,14 @@ def test_the_forced_probes_decode_each_variant_over_enough_positions_to_pick_eve
     plan = built("gpt_oss").plan.lengths
     cases = probe_cases(plan, 300)
     far = [p for p in cases if p.decode]
-    assert far == [Probe(far[0].prompt, 2, 128, 126, True)]  # the generate variant's last two steps
+    # the variant's last two steps, over empty rows and over a far past
+    assert far == [Probe(far[0].prompt, 2, 128, 126, True), Probe(far[0].prompt, 2, 128, 126, True, True)]
     assert forced_cases(cases, 4, 2) == cases  # two positions pick all four experts
     forced = forced_cases(cases, 128, 8)  # Qwen3-MoE's: 16 positions
     assert [p for p in forced if not p.decode] == [p for p in cases if not p.decode]
-    (long,) = [p for p in forced if p.decode]
-    assert (len(long.prompt), long.new_tokens, long.start, long.origin) == (15, 2, 128, 112)
+    longs = [p for p in forced if p.decode]
+    assert [(len(p.prompt), p.new_tokens, p.start, p.origin, p.filled) for p in longs] == [
+        (15, 2, 128, 112, False), (15, 2, 128, 112, True)]
 
 
 @pytest.mark.parametrize("mutant, model", [("gen_experts_2_3_swapped", "generate-128"),

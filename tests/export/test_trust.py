@@ -105,6 +105,23 @@ def test_nan_weights_behind_a_consistent_manifest_fail_verification(compiled):
         assert "verification: MISMATCH" in result.output and "non-finite" in result.output
 
 
+def test_copied_files_unlike_the_sources_fail_verification(compiled):
+    """tokenizer.json with two tokens' ids swapped behind a consistent manifest: `kvc run
+    --prompt` feeds other ids and every probe, which feeds ids, agrees; the copy is compared
+    with the source's."""
+    report = json.loads(kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", "--json").stdout)
+    assert report["copies"]["ok"] and report["copies"]["files"] >= 3
+    data = json.loads((compiled / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (compiled / "tokenizer.json").write_text(json.dumps(data))
+    rehash(compiled)
+    result = kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", code=4)
+    assert "copied files: tokenizer.json differs from the source model's" in result.output
+    assert "kvc: error: mismatch in the copied files: tokenizer.json differs" in result.output
+
+
 def test_goldens_never_record_and_always_fail_non_finite_logits(compiled, tmp_path):
     goldens = tmp_path / "goldens.json"
     kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "3")

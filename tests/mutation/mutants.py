@@ -154,6 +154,25 @@ def gen_last_past_slot_masked(name, model):
 
 
 @mutant
+def gen_past_middle_masked(name, model):
+    """generate: past slots [M/2, 3M/4) never attended (a past read in two pieces that drops a
+    stretch between them). No probe from position 0 fills them, and a far probe starts over
+    empty rows."""
+    if not generate(name):
+        return 0
+    return mask_keep(model, lambda j, M: 0 if M // 2 <= j < 3 * M // 4 else 1)
+
+
+@mutant
+def chunk_past_middle_masked(name, model):
+    """the chunk prefill model never attends past slots [3M/8, M/2) (`gen_past_middle_masked`):
+    beyond the rows the probes from position 0 write and before a far probe's origin."""
+    if name != "prefill":
+        return 0
+    return mask_keep(model, lambda j, M: 0 if 3 * M // 8 <= j < M // 2 else 1)
+
+
+@mutant
 def chunk_past_beyond_C_ignored(name, model):
     """the chunk prefill model reads only the first C slots of its past."""
     if name != "prefill":

@@ -10,6 +10,8 @@ the default's bounds are wide (a router's). `python scripts/mutate.py` runs any 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from kvc import fixtures
 from tests.cli.runner import SMALL, kvc
@@ -20,13 +22,17 @@ IR_CHECK = "the compiled pipeline does not reproduce"
 # by 32 with no first chunk, so at P 64 no chunk reads past slot 32 and no first model exists
 # (both mutants then change nothing a run can see); a bf16 host chunks by 16 after a first 16.
 CHUNKS = {"chunk_past_beyond_C_ignored": ("--prefill-chunk-size", "16"),
-          "first_q_proj_one_row_1e2": ("--prefill-chunk-size", "16", "--prefill-first", "16")}
+          "first_q_proj_one_row_1e2": ("--prefill-chunk-size", "16", "--prefill-first", "16"),
+          "chunk_past_middle_masked": ("--prefill-chunk-size", "16")}
 
 REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_positions_clamped_to_P", "llama", "ir", "CPU", IR_CHECK),
     ("gen_positions_clamped_to_P", "gpt2", "ir", "CPU", IR_CHECK),  # a learned position table
     ("gen_last_past_slot_masked", "llama", "ir", "CPU", IR_CHECK),
     ("chunk_past_beyond_C_ignored", "llama", "ir", "CPU", IR_CHECK),
+    # past slots no probe from position 0 fills: published while far probes started over empty rows
+    ("gen_past_middle_masked", "llama", "ir", "CPU", IR_CHECK),
+    ("chunk_past_middle_masked", "llama", "ir", "CPU", IR_CHECK),
     ("window_off_by_one", "mistral", "ir", "CPU", IR_CHECK),
     ("mask_positions_past_from_one", "starcoder2", "ir", "CPU", IR_CHECK),
     ("gen_o_proj_1e3", "llama", "ir", "CPU", IR_CHECK),
@@ -113,3 +119,44 @@ def test_kvc_verify_refuses_what_the_compile_refuses(mutant, where, backend, tmp
     assert f"kvc: error: mismatch on {backend}, prompt of" in result.output
     report = json.loads(kvc("verify", out, "--json", code=4).stdout.split("\nkvc: error")[0])
     assert {r["backend"] for r in report["results"] if not r["ok"]} == {backend}
+
+
+def test_kvc_verify_runs_the_blobs_of_every_device_the_directory_was_compiled_for(tmp_path, monkeypatch):
+    """A directory compiled for the NPU alone: `kvc verify` with its defaults ran numpy and
+    openvino, whose pipeline, finding no CPU blobs, compiled the IR on the CPU. A fault in the
+    NPU blobs (layer 1's o_proj 3% off) verified OK. The defaults now run each device's
+    blobs, and a backend with no blobs is refused unless --from-ir asks for the IR."""
+    import json
+
+    applied = apply("gen_o_proj_3e2", monkeypatch.setattr, monkeypatch.setenv, "blob")
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "NPU", "--no-verify")
+    assert applied.edits
+    result = kvc("verify", out, code=4)
+    assert "kvc: error: mismatch on npu, prompt of" in result.output
+    report = json.loads(kvc("verify", out, "--json", code=4).stdout.split("\nkvc: error")[0])
+    assert {r["backend"] for r in report["results"]} == {"numpy", "npu"}
+    result = kvc("verify", out, "--backends", "numpy,openvino", code=2)
+    assert ("the openvino backend runs CPU blobs, and this directory has none (its blobs: NPU); --from-ir runs "
+            "its IR on CPU instead") in result.output
+    kvc("verify", out, "--backends", "numpy,openvino", "--from-ir")  # the IR itself is right
+
+
+def test_numpy_goldens_are_judged_exactly_over_a_rounded_cache(tmp_path, monkeypatch):
+    """Goldens recorded and checked on kvc's numpy runtime over a bf16 cache: judged as reduced
+    precision (1e-2) against numpy's own deterministic run, an o_proj 0.5% off (drift 0.0075)
+    passed them, which `kvc verify --backends numpy` refuses. numpy now runs widened, as the
+    compile's check does, and its goldens are judged by the exact bound: 0.1% off is refused."""
+    import json
+
+    good, bad, goldens = tmp_path / "good", tmp_path / "bad", tmp_path / "goldens.json"
+    kvc("compile", fixtures.path("llama"), "-o", good, *SMALL, "--kv-precision", "bf16")
+    kvc("verify", good, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "8")
+    assert json.loads(goldens.read_text())["kv_element_type"] == "f32"  # widened
+    kvc("verify", good, "--goldens", goldens)
+    kvc("verify", good, "--goldens", goldens, "--backends", "openvino")  # bf16 blobs: their own bounds
+    applied = apply("gen_o_proj_1e3", monkeypatch.setattr, monkeypatch.setenv, "ir")
+    kvc("compile", fixtures.path("llama"), "-o", bad, *SMALL, "--kv-precision", "bf16", "--no-verify")
+    assert applied.edits
+    result = kvc("verify", bad, "--goldens", goldens, code=4)
+    assert re.search(r"logit drift \S+ > 0\.0001", result.output)

@@ -1,0 +1,73 @@
+"""The far past compile's far probes start over (kvc.runtime.generate.far_past): the same values
+in the source model's cache and in a static cache of any float type and layout, attended."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from kvc import fixtures
+from kvc.errors import UsageError
+from kvc.ir import load
+from kvc.plan import KVSpec
+from kvc.runtime.generate import far_past, greedy
+from kvc.runtime.session import NumpySession, OpenVINOSession
+from kvc.runtime.static_pipeline import StaticPipeline
+from kvc.verify.compiled import far_past_fits, probe_cases
+from tests.export.test_weights_check import built
+
+
+def test_a_far_past_is_exact_in_every_float_cache_and_the_same_in_any_layout():
+    rows = far_past("past_key_values.3.value", (1, 2, 40, 8), 2)
+    assert rows.dtype == np.float32 and rows.shape == (1, 2, 40, 8)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        np.testing.assert_array_equal(rows.astype(dtype).astype(np.float32), rows)
+    # values stored [B, H, D, S] hold the same numbers at the same rows
+    np.testing.assert_array_equal(far_past("past_key_values.3.value", (1, 2, 8, 40), 3), np.swapaxes(rows, 2, 3))
+    # a shorter past is the longer one's first rows; each tensor has its own; every row differs
+    np.testing.assert_array_equal(far_past("past_key_values.3.value", (1, 2, 10, 8), 2), rows[:, :, :10])
+    assert not np.array_equal(far_past("past_key_values.3.key", (1, 2, 40, 8), 2), rows)
+    flat = rows[0].transpose(1, 0, 2).reshape(40, -1)
+    assert len({r.tobytes() for r in flat}) == 40
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+def test_the_source_model_is_given_the_far_past_on_any_engine(stateless):
+    """OpenVINO's variables, kvc's interpreter's, and a lifted model's past inputs all start
+    with the far past: the runs agree, differ from a run over empty rows, and keep only the
+    prompt's rows and on in their cache."""
+    model = load(fixtures.path("llama"))
+    if stateless:
+        from kvc.passes.framework.registry import get_pass
+
+        model = get_pass("lift-state").run(model).model
+    runs = [greedy(session, [5, 6, 7], 3, origin=40, filled=True, keep_cache=True)
+            for session in (NumpySession(model), OpenVINOSession(model))]
+    assert runs[0].tokens == runs[1].tokens
+    np.testing.assert_allclose(runs[0].logits[-1], runs[1].logits[-1], atol=1e-4)
+    assert all(v.shape[2] == 5 for v in runs[0].cache.values())  # 3 prompt rows, 2 generated
+    empty = greedy(OpenVINOSession(model), [5, 6, 7], 3, origin=40)
+    assert np.abs(empty.logits[0] - runs[1].logits[0]).max() > 0.1
+
+
+def test_a_far_past_needs_an_empty_cache_and_a_float_static_cache():
+    session = OpenVINOSession(load(fixtures.path("llama")))
+    with pytest.raises(UsageError, match="needs reset"):
+        greedy(session, [5], 1, origin=8, filled=True, reset=False)
+    pipe = StaticPipeline.__new__(StaticPipeline)
+    pipe.kv = [KVSpec("past_key_values.0.key", "present.0.key", 0, "key", 2, "i8", (1, 2, 64, 16)),
+               KVSpec("past_key_values.0.key_scale", "present.0.key_scale", 0, "key_scale", 2, "f16", (1, 2, 64, 1))]
+    with pytest.raises(UsageError, match=r"a far past needs a float cache \(f32, f16 or bf16\), not \['i8'\]"):
+        pipe.fill_far_past(8)
+
+
+def test_far_probes_start_over_a_far_past_unless_the_cache_is_int8():
+    lengths = built("llama").plan.lengths
+    for kv_types, filled in ((["f16"], True), (["bf16"], True), (["f32"], True), (["i8", "f16"], False)):
+        cases = probe_cases(lengths, 300, filled=far_past_fits(kv_types))
+        chunks = [p for p in cases if p.origin and not p.decode]
+        assert chunks and all(p.filled == filled for p in chunks)
+        # a generate variant's over empty rows, where its last steps read only what they wrote, and over a far past
+        decodes = [p.filled for p in cases if p.decode]
+        assert decodes == ([False, True] if filled else [False])
+        assert not any(p.filled for p in cases if not p.origin)
