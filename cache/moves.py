@@ -177,7 +177,7 @@ def model_config(directory) -> dict | None:
     if not path.is_file():
         return None
     try:
-        config = jsontext.loads(path.read_text(encoding="utf-8"))
+        config = jsontext.loads(jsontext.read_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable JSON config ({exc})") from None
     if not isinstance(config, dict):

@@ -82,7 +82,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     """Choose P, the prefill chunk and the generate variants that minimize the expected time per
     request of a workload within a budget, from the measured cost of the static models on the
     target; compare with the single and pyramid variants at the default chunk."""
-    from kvc.errors import UsageError
+    from kvc.errors import OutputError, UsageError
     from kvc.ir.writer import write_output
     from kvc.planner import Budget, Costs, best_plan, load_workload, measure_costs, plan_document
 
@@ -98,7 +98,7 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     target = costs_path or costs_cache(path, device, inference_precision)
     if target.is_file():
         try:
-            data = jsontext.loads(target.read_text(encoding="utf-8"))
+            data = jsontext.loads(jsontext.read_text(target))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UsageError(f"{target}: not a readable costs file ({exc})") from None
         costs = Costs.from_dict(data, str(target))
@@ -106,8 +106,13 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
         progress(f"costs: {target}")
     else:
         costs = measure_costs(path, device, inference_precision, progress=progress)
-        write_output(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode(), "costs")
-        progress(f"costs measured and written to {target}")
+        try:
+            write_output(target, (json.dumps(costs.to_dict(), indent=2, sort_keys=True) + "\n").encode(), "costs")
+            progress(f"costs measured and written to {target}")
+        except OutputError as exc:
+            if costs_path is not None:  # the file the user named
+                raise
+            progress(f"costs measured, not kept in the cache ({exc})")  # the plan needs no cache
     from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first
     from kvc.ir.reader import resolve
     from kvc.planner import first_rows as default_rows

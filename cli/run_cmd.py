@@ -110,6 +110,8 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     if events_path is not None and not prefix_cache:
         raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
+    if events_path is not None and requests_path is not None and events_path.resolve() == requests_path.resolve():
+        raise click.UsageError(f"--events {events_path} is the --requests file: writing the events would replace it")
     if chunk_reuse and not prefix_cache:
         raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
     if chunk_repair is not None and not chunk_reuse:

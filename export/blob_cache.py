@@ -101,7 +101,7 @@ class BlobCache:
         if not record.exists():
             return None
         try:
-            meta = jsontext.loads(record.read_text(encoding="utf-8"))
+            meta = jsontext.loads(jsontext.read_text(record))
             ok = isinstance(meta, dict) and meta.get("key") == key and isinstance(meta.get("entry"), dict)
             if ok:
                 shutil.copyfile(blob, out)

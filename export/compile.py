@@ -497,7 +497,13 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     """Build, save, export and check everything into `work`; the manifest, and the pipeline
     over the blobs of the device `serve` as their check imported them (else None). Every file's
     hash is started on `hashes` as soon as the file is final; blobs are compiled by `compiler`."""
-    cache = BlobCache(options.cache_dir, progress) if options.cache_dir is not None else None
+    cache = None
+    if options.cache_dir is not None:
+        try:
+            cache = BlobCache(options.cache_dir, progress)
+        except OSError as exc:  # a cache the compile cannot use is said, and the compile goes on
+            progress(f"blob cache: cannot use {options.cache_dir} ({exc.strerror or exc}); this compile goes on "
+                     f"without it")
     progress(f"loading {model_path}")
     sources = source_files(model_path)
     for f in sources:
@@ -591,6 +597,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
         model = load(model_path, consts_found=bundle.start_weights_file)
         check_no_nan_weights(model, str(resolve(model_path).model))
         _require_kv_cache(model, resolve(model_path).model)
+        _require_integer_inputs(model, resolve(model_path).model)
         beyond = _beyond_max_positions(stated, options.static)
         if beyond:
             progress(f"warning: {beyond}; positions past it are outside what the model was built for")
@@ -611,7 +618,7 @@ _MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", 
 def _model_config(source_dir: Path) -> dict:
     """The model's config.json as a dict ({} when absent or not an object)."""
     try:
-        config = jsontext.loads((source_dir / "config.json").read_text())
+        config = jsontext.loads(jsontext.read_text(source_dir / "config.json"))
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
@@ -695,6 +702,22 @@ def _require_kv_cache(model, file: Path) -> None:
             from None
 
 
+# Inputs that hold ids, positions or a mask: integers in every optimum-intel export.
+INTEGER_INPUTS = ("input_ids", "attention_mask", "position_ids", "beam_idx")
+
+
+def _require_integer_inputs(model, file: Path) -> None:
+    """Each of INTEGER_INPUTS the model has must be an integer (exit 3 naming the port): an
+    `input_ids` declared f32 compiled, and its bf16 CPU blobs rounded every id above 256."""
+    from kvc.errors import InvalidModelError
+
+    for port in model.inputs:
+        name = next((n for n in INTEGER_INPUTS if n in port.get_names()), None)
+        if name is not None and not port.get_element_type().is_integral():
+            raise InvalidModelError("bad-input", str(file), f"input {name} must be an integer tensor",
+                                    expected="i64 or i32", found=port.get_element_type().get_type_name())
+
+
 def _blob_keys(texts: dict[str, str], digests: dict, device: str, config: dict) -> dict[str, str]:
     """The blob cache's key of each model (by its XML text) that can be keyed."""
     embedded_below = SMALL_CONSTANT_BYTES if device == "CPU" else 0
@@ -718,6 +741,10 @@ def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], de
         path = work / blob_name(label, device)
         key = group_key(unit, keys)
         entry = cache.get(key, label, path) if key is not None else None
+        if entry is not None and not _cached_entry_fits(entry, unit, device, config):
+            cache.warn(f"blob cache: the record of {label} in {cache.directory} says other than this compile "
+                       f"would; compiling it again")
+            entry = None
         if entry is not None:
             progress(f"reused from the blob cache ({i}/{len(units)}): {label} for {device}")
         else:
@@ -732,6 +759,26 @@ def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], de
     return blobs
 
 
+def _cached_entry_fits(entry: dict, unit: tuple[str, ...], device: str, config: dict) -> bool:
+    """Whether a blob cache record's manifest entry is what compiling `unit` for `device` with
+    `config` records (`import_config`): the record is copied into the manifest and its import
+    configuration is how the blob is imported and judged, so a record that said bf16 for f32
+    blobs, a WEIGHTS_PATH elsewhere or a key of its own was published as it was."""
+    expected = {"file", "bytes", "compile_config", "import_config", *(("branches",) if len(unit) > 1 else ())}
+    if set(entry) != expected or entry["compile_config"] != config:
+        return False
+    if len(unit) > 1 and entry["branches"] != list(unit):
+        return False
+    recorded = entry["import_config"]
+    if not isinstance(recorded, dict):
+        return False
+    if device != "CPU":
+        return recorded == ({**config, "WEIGHTS_PATH": WEIGHTS_FILE} if config.get("NPUW_CWAI") == "YES" else config)
+    defaults = {"INFERENCE_PRECISION_HINT": cpu_precision("auto"),
+                "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(core().get_property("CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
+    return recorded == {**defaults, **config, "WEIGHTS_PATH": WEIGHTS_FILE}
+
+
 def check_side_files(source_dir: Path) -> None:
     """Each JSON file of TOKENIZER_FILES in `source_dir` must be a JSON object, else exit 3
     (bad-config) naming it: kvc reads config.json for the positions and sliding window the
@@ -740,10 +787,13 @@ def check_side_files(source_dir: Path) -> None:
     The copies in OUT are hashed, so what is checked here is what kvc run reads back."""
     for name in TOKENIZER_FILES:
         path = source_dir / name
+        if path.exists() and not path.is_file():  # a FIFO read as absent: no window probe, no EOS
+            raise InvalidModelError("bad-config", str(path), "is not a regular file", expected="a regular file",
+                                    found="a directory" if path.is_dir() else "a device, FIFO or socket")
         if not name.endswith(".json") or not path.is_file():
             continue
         try:
-            data = jsontext.loads(path.read_text(encoding="utf-8"))
+            data = jsontext.loads(jsontext.read_text(path))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidModelError("bad-config", str(path), f"cannot be read as JSON ({exc})",
                                     expected="a JSON object", found=f"{path.stat().st_size} bytes") from None

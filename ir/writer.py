@@ -91,10 +91,14 @@ def check_writable(target: str | Path, what: str) -> None:
     """Raise the OutputError `write_output` would, before the work that makes `target` (a
     compile with --report published OUT, then failed to write the page: exit 7, though 7
     says nothing was published). A temporary file is made beside `target` and removed."""
-    target = Path(target)
+    path, stream = output_path(target, what)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_file(target.parent, f".{target.name}.", ".tmp")
+        if stream:
+            if not os.access(path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = temp_file(path.parent, f".{path.name}.", ".tmp")
         os.close(fd)
         tmp.unlink()
     except OSError as exc:
@@ -103,11 +107,57 @@ def check_writable(target: str | Path, what: str) -> None:
 
 def write_output(target: str | Path, data: bytes, what: str) -> None:
     """`write_bytes_atomic` for a file the user named (`what` it is: "goldens", "plan", ...):
-    a path that cannot be written is an OutputError (exit 7) naming it, not an internal error."""
+    a path that cannot be written is an OutputError (exit 7) naming it, not an internal error.
+    What the path names is kept (`output_path`): a symlink's target is replaced, not the link;
+    a device or a FIFO (/dev/null, /dev/stdout) is written to, never replaced by a file; a file
+    of a compiled directory is refused."""
+    path, stream = output_path(target, what)
     try:
-        write_bytes_atomic(target, data)
+        if stream:
+            with open(path, "wb") as f:
+                f.write(data)
+        else:
+            write_bytes_atomic(path, data)
     except OSError as exc:
         raise OutputError(f"cannot write the {what} {target}: {exc.strerror or exc}; nothing was written") from None
+
+
+def output_path(target: str | Path, what: str) -> tuple[Path, bool]:
+    """Where a user-named output goes and whether it is written through (True: a device, a
+    FIFO or a socket, which an atomic rename would replace by a regular file: as root,
+    `--events /dev/null` replaced the system's /dev/null) rather than replaced. A symlink
+    resolves to its target; a directory, or a file a compiled directory holds (its manifest,
+    or a file the manifest lists: `--events OUT/manifest.json` left OUT unreadable), is an
+    OutputError."""
+    path = Path(target)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    if path.is_dir():
+        raise OutputError(f"cannot write the {what} {target}: it is a directory; nothing was written")
+    if path.exists() and not path.is_file():
+        return path, True
+    owner = _compiled_directory_of(path)
+    if owner is not None:
+        raise OutputError(f"cannot write the {what} {target}: it is a file of the compiled directory {owner}, which "
+                          f"it would break; nothing was written")
+    return path, False
+
+
+def _compiled_directory_of(path: Path) -> Path | None:
+    """The compiled directory `path` is a file of (beside a manifest.json that lists it, or the
+    manifest itself), else None."""
+    from kvc import jsontext
+
+    manifest = path.parent / "manifest.json"
+    if not manifest.is_file():
+        return None
+    if path.name == manifest.name:
+        return path.parent
+    try:
+        files = jsontext.loads(manifest.read_bytes()[:1 << 24]).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path.parent if isinstance(files, dict) and path.name in files else None
 
 
 def save(model: ov.Model, path: str | Path) -> Path:

@@ -7,7 +7,14 @@ ValueError, exit 1 in every reader but two)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
+from pathlib import Path
+
+# The largest JSON file kvc reads (configs, records, plans: a few KB; a tokenizer.json tens of MB).
+MAX_BYTES = 1 << 28
 
 
 def loads(text: str | bytes):
@@ -19,3 +26,16 @@ def loads(text: str | bytes):
         if isinstance(exc, json.JSONDecodeError):
             raise
         raise json.JSONDecodeError(f"a value Python cannot hold ({str(exc)[:80]})", "", 0) from None
+
+
+def read_text(path: str | Path) -> str:
+    """A JSON file's text, read only from a regular file of at most MAX_BYTES: a FIFO in its
+    place (config.json, a blob cache record) hung kvc at its read, and /dev/zero would fill
+    memory. Anything else is an OSError naming the path, which readers already report."""
+    path = Path(path)
+    mode = os.stat(path)
+    if not stat.S_ISREG(mode.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    if mode.st_size > MAX_BYTES:
+        raise OSError(errno.EFBIG, f"larger than the {MAX_BYTES} bytes kvc reads", str(path))
+    return path.read_text(encoding="utf-8")

@@ -72,6 +72,7 @@ class Workload:
 
 
 MAX_REQUESTS = 1_000_000  # requests a workload may hold, a histogram's counts summed
+MAX_MS = 1e9  # the longest time a costs file may state (11 days): its sums stay finite
 
 
 def load_workload(path: str | Path, encode=None) -> Workload:
@@ -98,7 +99,7 @@ def load_workload(path: str | Path, encode=None) -> Workload:
 
 def _histogram(path: Path) -> Workload:
     try:
-        data = jsontext.loads(path.read_text(encoding="utf-8"))
+        data = jsontext.loads(jsontext.read_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable JSON histogram ({exc})") from None
     rows = data.get("requests") if isinstance(data, dict) else None
@@ -136,12 +137,25 @@ class Costs:
     first_ms: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Every time a positive number below MAX_MS (zeros divided by zero, 1e308 summed to
+        infinity, NaN was written back as bare NaN), no boolean, sizes >= 1; compile seconds
+        and model bytes non-negative and finite; the target an object."""
+        def number(v, low: float, high: float, strict: bool = False) -> bool:
+            return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and (v > low if strict else v >= low) and v <= high)
+
         for name in ("call_ms", "step_ms", "first_ms"):
             points = getattr(self, name)
             if not isinstance(points, dict) or (not points and name != "first_ms") or not all(
-                    int(k) >= 1 and isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)
-                    for k, v in points.items()):
-                raise UsageError(f"costs: {name} must map sizes >= 1 to finite milliseconds >= 0, found {points!r}")
+                    isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_LENGTH
+                    and number(v, 0.0, MAX_MS, strict=True) for k, v in points.items()):
+                raise UsageError(f"costs: {name} must map sizes 1-{MAX_LENGTH} to milliseconds above 0 and at most "
+                                 f"{MAX_MS:g}, found {str(points)[:120]}")
+        if not number(self.compile_s, 0.0, MAX_MS) or not number(self.model_bytes, 0, 2 ** 53):
+            raise UsageError(f"costs: compile_s and model_bytes must be finite and not negative, found "
+                             f"{self.compile_s!r} and {self.model_bytes!r}")
+        if not isinstance(self.target, dict):
+            raise UsageError(f"costs: target must be an object, found {type(self.target).__name__}")
 
     def call(self, tokens) -> np.ndarray:
         return _interpolate(self.call_ms, tokens)
@@ -162,11 +176,10 @@ class Costs:
     def from_dict(cls, d, where: str = "costs") -> "Costs":
         if not isinstance(d, dict) or d.get("format") != COSTS_FORMAT:
             raise UsageError(f"{where}: not a kvc costs file (format {COSTS_FORMAT})")
-        try:
-            return cls({int(k): float(v) for k, v in d["call_ms"].items()},
-                       {int(k): float(v) for k, v in d["step_ms"].items()},
-                       float(d.get("compile_s", 0.0)), int(d.get("model_bytes", 0)), dict(d.get("target", {})),
-                       {int(k): float(v) for k, v in d.get("first_ms", {}).items()})
+        try:  # keys are strings in JSON; values are taken as written, so a boolean is refused
+            return cls({int(k): v for k, v in d["call_ms"].items()}, {int(k): v for k, v in d["step_ms"].items()},
+                       d.get("compile_s", 0.0), d.get("model_bytes", 0), d.get("target", {}),
+                       {int(k): v for k, v in d.get("first_ms", {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UsageError(f"{where}: malformed costs ({type(exc).__name__}: {exc})") from None
 

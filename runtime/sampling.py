@@ -98,7 +98,7 @@ def config_ids(directory: Path, key: str) -> frozenset[int]:
     generation_config.json, else its config.json; empty when neither states one."""
     for name in ("generation_config.json", "config.json"):
         try:
-            value = jsontext.loads((Path(directory) / name).read_text()).get(key)
+            value = jsontext.loads(jsontext.read_text(Path(directory) / name)).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         ids = value if isinstance(value, list) else [value]

@@ -35,6 +35,7 @@ from kvc.runtime.static_pipeline import max_new_tokens
 
 TOP = 5
 FORMAT = "kvc-goldens/1"
+KV_ELEMENT_TYPES = ("f32", "f16", "bf16", "i8")  # the cache a recording ran over
 
 
 def _open(directory: Path, manifest: dict, backend: str, from_ir: bool):
@@ -108,7 +109,7 @@ def _at(tokens, i):
 
 def load_goldens(path) -> dict:
     try:
-        data = jsontext.loads(Path(path).read_text())
+        data = jsontext.loads(jsontext.read_text(path))
     except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidModelError("bad-goldens", str(path), f"cannot read goldens: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -120,6 +121,12 @@ def load_goldens(path) -> dict:
     if data.get("backend") not in ("numpy", "openvino", "npu"):
         raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which backend recorded them",
                                 expected="numpy, openvino or npu", found=str(data.get("backend"))[:80])
+    if not isinstance(data.get("kv_element_type"), str) or data["kv_element_type"] not in KV_ELEMENT_TYPES:
+        raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which cache recorded them",
+                                expected=", ".join(KV_ELEMENT_TYPES), found=str(data.get("kv_element_type"))[:80])
+    if not isinstance(data.get("openvino_version"), str):
+        raise InvalidModelError("bad-goldens", str(path), "the goldens do not say which OpenVINO recorded them",
+                                expected="a version string", found=str(data.get("openvino_version"))[:80])
     if data.get("inference_precision") not in (None, "f32", *_MANTISSA_BITS):  # absent before 2026-11-28
         raise InvalidModelError("bad-goldens", str(path), "the goldens name an arithmetic kvc does not know",
                                 expected="f32, bf16, f16 or null", found=str(data.get("inference_precision"))[:80])

@@ -100,6 +100,29 @@ class PipelineRun:
     intermediates: list[ov.Model] = field(default_factory=list)  # after each pass, if kept
 
 
+def _run_pass(p: Pass, model: ov.Model):
+    """`p.run(model)`; for a pass from outside kvc (a plugin's), whatever it raises (an exit
+    too) or returns other than a PassResult is a PassFailure naming the pass and its file: a
+    plugin's RuntimeError was "internal error" (exit 1, a bug in kvc), its sys.exit(0) a
+    compile that ended with status 0 and no output."""
+    from kvc.passes.framework.base import PassResult
+
+    if type(p).__module__.startswith("kvc."):
+        return p.run(model)
+    where = sys.modules.get(type(p).__module__)
+    origin = getattr(where, "__file__", None) or type(p).__module__
+    try:
+        result = p.run(model)
+    except PassFailure:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - foreign code
+        raise PassFailure(p.name, f"the pass (from {origin}) raised {exc.__class__.__name__}: {str(exc)[:300]}") \
+            from None
+    if not isinstance(result, PassResult):
+        raise PassFailure(p.name, f"the pass (from {origin}) returned {type(result).__name__}, not a PassResult")
+    return result
+
+
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -146,7 +169,7 @@ class PassManager:
             try:
                 self._require(p, "requires", p.requires, model)
                 with rules.recording() as rule_log:
-                    result = p.run(model)
+                    result = _run_pass(p, model)
                 self._require(p, "ensures", p.ensures, result.model)
             except PassFailure as exc:
                 self._on_failure(exc, records, tag, text_before if text_before is not None else to_text(model))

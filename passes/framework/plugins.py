@@ -5,8 +5,10 @@
 * an installed package: an entry point in the group ``kvc.passes`` names a module (or any
   object) whose import registers the passes; `kvc.passes.load_all` loads them all.
 
-A plugin that cannot be imported, or that registers nothing, is a UsageError naming the file
-and the reason; its traceback is not shown.
+A plugin that cannot be imported (whatever it raises, `sys.exit` too), or that registers
+nothing, is a UsageError naming the file and the reason; its traceback is not shown. A plugin's
+pass that raises, exits or returns something else than a PassResult when it runs is a
+PassFailure naming the pass and its file (`PassManager.run`), not an internal error of kvc's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def load_plugin(path: str | Path) -> list[str]:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any error in foreign code is the plugin's
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in foreign code is the plugin's
+        # (a sys.exit(0) at import ended `kvc compile` with status 0, no OUT and no message)
         del sys.modules[module_name]
         raise UsageError(f"pass plugin {path} failed to import: {exc.__class__.__name__}: {exc}") from None
     added = sorted(set(registry.registered()) - before)

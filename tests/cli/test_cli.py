@@ -360,6 +360,10 @@ def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_pat
     for damage, message in ((lambda d: d.update(prompts=[]), "hold no prompt"),
                             (lambda d: d.pop("backend"), "which backend recorded them"),
                             (lambda d: d.update(prompts="x"), "hold no prompt"),
+                            # each a KeyError (exit 1), or taken as they were
+                            (lambda d: d.pop("openvino_version"), "which OpenVINO recorded them"),
+                            (lambda d: d.pop("kv_element_type"), "which cache recorded them"),
+                            (lambda d: d.update(kv_element_type=["f16"]), "which cache recorded them"),
                             # each an IndexError or a usage error without the file before
                             (lambda d: d["prompts"][1].update(top_logits=[[["a", "b"]]]), "prompt 1 is not a recorded"),
                             (lambda d: d["prompts"][0].update(tokens=[]), "prompt 0 is not a recorded"),
@@ -576,6 +580,7 @@ def test_pass_plugin_file_is_listed_and_bisected(tmp_path):
 @pytest.mark.parametrize("content,message", [
     (None, "expected an existing .py file"),
     ("raise RuntimeError('boom')", "failed to import: RuntimeError: boom"),
+    ("import sys; sys.exit(0)", "failed to import: SystemExit: 0"),  # was `kvc compile` exit 0, no output
     ("x = 1", "registered no pass"),
 ])
 def test_bad_pass_plugins_are_usage_errors(tmp_path, content, message):
@@ -584,6 +589,26 @@ def test_bad_pass_plugins_are_usage_errors(tmp_path, content, message):
         plugin.write_text(content)
     result = kvc("passes", "--pass-plugin", plugin, code=2)
     assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("body,message", [
+    ("raise RuntimeError('boom in pass')", "raised RuntimeError: boom in pass"),
+    ("import sys; sys.exit(0)", "raised SystemExit: 0"),
+    ("return 42", "returned int, not a PassResult"),
+    ("return self.run(model)", "raised RecursionError"),
+])
+def test_a_plugin_pass_that_fails_is_a_pass_failure_naming_it(tmp_path, body, message):
+    """Errors in a plugin's pass were kvc's "internal error" (exit 1), and its sys.exit(0) a
+    compile that ended with status 0 and nothing written."""
+    name = f"plugin-bad-{len(body)}"  # one per case: the registry is the process's
+    plugin = tmp_path / "bad_pass.py"
+    plugin.write_text(PLUGIN.replace("plugin-scale-logits", name).replace(
+        "        result = next(r for r", f"        {body}\n        result = next(r for r"))
+    out = tmp_path / "out"
+    result = kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--pass-plugin", plugin,
+                 "--passes", f"lift-state,{name}", code=6)
+    assert name in result.output and f"(from {plugin})" in result.output and message in result.output
+    assert "Traceback" not in result.output and not out.exists()
 
 
 def test_unexpected_errors_are_internal_with_exit_1(monkeypatch):

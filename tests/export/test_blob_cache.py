@@ -174,3 +174,34 @@ def test_a_const_the_key_cannot_read_keeps_its_model_out_of_the_cache():
     read = '<layer id="1" name="w" type="Const" version="opset1">\n<data element_type="f32" shape="2" offset="0" size="8" />'
     unread = '<layer id="1" name="w" type="Const" version="opset1">\n<data element_type="f32" shape="2" size="8" offset="0" />'
     assert keyable(read) and not keyable(unread)
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda e: e["import_config"].update(INFERENCE_PRECISION_HINT="f16"),  # imported, and judged, as other arithmetic
+    lambda e: e["import_config"].update(WEIGHTS_PATH="../../etc/passwd"),
+    lambda e: e["import_config"].update(KEY_CACHE_PRECISION="u4"),
+    lambda e: e.update(evil={"x": 1}),  # copied into the manifest as it was
+    lambda e: e.update(branches=["prefill"]),
+], ids=["precision", "weights-path", "extra-config", "extra-key", "branches"])
+def test_a_record_unlike_what_the_compile_would_write_is_compiled_again(tmp_path, compiles, tamper):
+    """A blob cache record's entry goes into the manifest and says how its blob is imported
+    and judged; the record's key, size and sha256 were checked, the entry was not. At the
+    default precision, whose arithmetic only the compiled model reports."""
+    from tests.cli.runner import kvc
+
+    cache = tmp_path / "cache"
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "a", "--max-prompt-len", "64", "--min-response-len", "64",
+        "--cache-dir", cache)
+    compiles.clear()
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "b", "--max-prompt-len", "64", "--min-response-len", "64",
+        "--cache-dir", cache)
+    assert compiles == []  # the default's records are what it would write
+    for record in cache.glob("*.json"):
+        meta = json.loads(record.read_text())
+        tamper(meta["entry"])
+        record.write_text(json.dumps(meta))
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "c", "--max-prompt-len", "64",
+                 "--min-response-len", "64", "--cache-dir", cache)
+    assert compiles and "says other than this compile would; compiling it again" in result.output
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["models"] == \
+        json.loads((tmp_path / "a" / "manifest.json").read_text())["models"]

@@ -243,8 +243,17 @@ def test_workloads_from_requests_and_histograms(tmp_path):
 def test_malformed_costs_and_plans_are_refused(tmp_path):
     with pytest.raises(UsageError, match="not a kvc costs file"):
         Costs.from_dict({"call_ms": {}}, "c.json")
-    with pytest.raises(UsageError, match="finite milliseconds"):
-        Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": float("nan")}, "step_ms": {"64": 1.0}})
+    ok = {"format": "kvc-costs/1", "call_ms": {"16": 1.0}, "step_ms": {"64": 1.0}}
+    # NaN was written back as bare NaN, zeros divided by zero (exit 1), 1e308 summed to inf,
+    # a boolean read as 1 ms, a list as the target skipped the check that the costs are the model's
+    for bad_ms in (float("nan"), 0.0, 1e308, True, -1.0):
+        with pytest.raises(UsageError, match="call_ms must map sizes 1-1048576 to milliseconds above 0 and at most 1e"):
+            Costs.from_dict({**ok, "call_ms": {"16": bad_ms}})
+    for field, value in (("compile_s", float("nan")), ("model_bytes", -1), ("compile_s", True)):
+        with pytest.raises(UsageError, match="compile_s and model_bytes must be finite and not negative"):
+            Costs.from_dict({**ok, field: value})
+    with pytest.raises(UsageError, match="target must be an object, found list"):
+        Costs.from_dict({**ok, "target": []})
     with pytest.raises(UsageError, match="first_ms must map"):
         Costs.from_dict({"format": "kvc-costs/1", "call_ms": {"16": 1.0}, "step_ms": {"64": 1.0},
                          "first_ms": {"16": -1.0}})
