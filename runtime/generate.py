@@ -43,9 +43,12 @@ class Generation:
     filled: bool = False
 
 
-# A far past's values: q / FAR_PAST_SCALE for integers q of at most FAR_PAST_RANGE, exact in
-# f32, f16 and bf16 (a multiple of 2^-5 below 2), so a static cache of any float type holds
-# the very values the source model's cache is given.
+# A far past's values: (b + d) / FAR_PAST_SCALE for integers b of at most FAR_PAST_BASE, one per
+# element of a row (a part every row shares, as a real cache's rows do) and d of at most
+# FAR_PAST_SPREAD, one per element of each row: multiples of 2^-5 below 1.25, exact in f32,
+# f16 and bf16, so a static cache of any float type holds the very values the source model's
+# cache is given. (Uniform over [-1.5, 1.5] or with other spreads, bloom's bf16 blobs drifted
+# the same over them.)
 FAR_PAST_SCALE = 32
 FAR_PAST_BASE = 32
 FAR_PAST_SPREAD = 8
@@ -64,9 +67,11 @@ def far_past(name: str, shape, seq_axis: int) -> np.ndarray:
     rows = shape.pop(seq_axis)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     size = int(np.prod(shape))
-    base = rng.integers(-FAR_PAST_BASE, FAR_PAST_BASE + 1, (1, size), dtype=np.int64)
-    q = base + rng.integers(-FAR_PAST_SPREAD, FAR_PAST_SPREAD + 1, (rows, size), dtype=np.int64)
-    return np.moveaxis((q / FAR_PAST_SCALE).astype(np.float32).reshape([rows, *shape]), 0, seq_axis)
+    base = rng.integers(-FAR_PAST_BASE, FAR_PAST_BASE + 1, (1, size), dtype=np.int8).astype(np.float32)
+    q = rng.integers(-FAR_PAST_SPREAD, FAR_PAST_SPREAD + 1, (rows, size), dtype=np.int8).astype(np.float32)
+    q += base
+    q *= np.float32(1 / FAR_PAST_SCALE)  # a power of two: exact
+    return np.moveaxis(q.reshape([rows, *shape]), 0, seq_axis)
 
 
 def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, int]]]:

@@ -59,7 +59,8 @@ def test_layout_and_manifest(compiled):
     assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
     # an unchunked prefill has one path: one prompt for it (a second was a second P-row prefill), one to switch
     assert [(r["prompt_tokens"], r.get("from_position")) for r in m["verification"]["results"]] == [
-        (33, None), (64, None), (1, 78), (1, 126)]  # the far probes: each variant's last two positions
+        (33, None), (64, None), (1, 78), (1, 78), (1, 126), (1, 126)]  # the far probes: each variant's last
+    # two positions, over empty rows and over a far past
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
 
@@ -329,7 +330,7 @@ def test_the_first_chunks_probe_checks_the_chunk_over_a_past(tmp_path, monkeypat
 
     options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64), prefill_first=(64,))
     assert [(len(p.prompt), p.origin, p.decode) for p in probe_cases(options.lengths(), 1000)] == [
-        (7, 0, False), (137, 0, False), (32, 224, False), (80, 176, False), (1, 318, True)]
+        (7, 0, False), (137, 0, False), (32, 224, False), (80, 176, False), (1, 318, True), (1, 318, True)]
     _fault_in(monkeypatch, "prefill", HalvePastValues())
     with pytest.raises(VerificationError, match="prompt of 137 tokens"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
