@@ -99,7 +99,8 @@ def default_backends(out: Path, from_ir: bool) -> tuple[str, ...]:
 
 def _tokens(row: dict) -> str:
     """A prompt's length, and where a far probe starts (`probe_cases`)."""
-    return f"{row['prompt_tokens']}" + (f" from {row['from_position']}" if row.get("from_position") else "")
+    return (f"{row['prompt_tokens']}" + (f" from {row['from_position']}" if row.get("from_position") else "")
+            + (" (far past)" if row.get("far_past") else ""))
 
 
 def _dash(v):

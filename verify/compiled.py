@@ -293,15 +293,18 @@ def probe_label(row: dict) -> str:
     """How a verification row names its probe: "prompt of 32 tokens from position 992"."""
     n = row["prompt_tokens"]
     where = f" from position {row['from_position']}" if row.get("from_position") else ""
-    return f"prompt of {n} token{'s' if n != 1 else ''}{where}"
+    past = " over a far past" if row.get("far_past") else ""
+    return f"prompt of {n} token{'s' if n != 1 else ''}{where}{past}"
 
 
 def probe_row(probe: Probe) -> dict:
     """What a verification row says of its probe: the prompt and new tokens, and where a far
-    probe starts (`probe_cases`)."""
+    probe starts and whether over a far past (`probe_cases`)."""
     row = {"prompt_tokens": len(probe.prompt), "new_tokens": probe.new_tokens}
     if probe.origin:
         row["from_position"] = probe.origin
+    if probe.filled:
+        row["far_past"] = True
     return row
 
 
