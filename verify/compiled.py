@@ -377,7 +377,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     from kvc.export.load import BACKEND_OF_DEVICE, pipeline_from, serving
     from kvc.runtime.compare import count_nonfinite
     from kvc.verify.cache_rows import stored_rows
-    from kvc.verify.peer_drift import peer_for
+    from kvc.verify.peer_drift import few_routers_flipped, peer_for
 
     backend = BACKEND_OF_DEVICE[device]
     # Kept to serve, the CPU's imports are swept as an open's (`pipeline_from(serves=True)`): the
@@ -429,6 +429,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
         rows.append(row)
+    if selecting and peer is not None:
+        rows = few_routers_flipped(rows)
     return rows, serving(pipe) if keep else None
 
 
@@ -524,7 +526,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.ir.reader import load
     from kvc.verify.experts import experts_of
     from kvc.verify.weights import check_directory
-    from kvc.verify.peer_drift import peer_for
+    from kvc.verify.peer_drift import few_routers_flipped, peer_for
 
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -576,7 +578,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if peer is not None:
             peer.prepare([probe._replace(new_tokens=len(run.tokens)) for probe, run in zip(cases, exacts)])
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widened)  # files checked above
-        runs = []
+        runs, judged = [], []
         for i, probe in enumerate(cases):
             got = run_probe(pipe, probe)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
@@ -584,8 +586,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             elif against_ir:  # against the source's, logits alone
                 got.cache = stored_rows(pipe, got.kv_rows, got.origin)
             runs.append(got)
-            rows.append({"backend": backend, "prompt": i, **probe_row(probe),
-                         **judge_by(peer, exacts[i], got, probe.prompt, plan.kv, selecting, policy)})
+            judged.append({"backend": backend, "prompt": i, **probe_row(probe),
+                           **judge_by(peer, exacts[i], got, probe.prompt, plan.kv, selecting, policy)})
+        rows += few_routers_flipped(judged) if selecting and peer is not None else judged
         del pipe
         if backend == "numpy":
             ir_runs = runs

@@ -239,6 +239,14 @@ def gen_o_proj_3e2(name, model):
 
 
 @mutant
+def gen_o_proj_3e1(name, model):
+    """generate: layer 1's o_proj 30% too large (a router's wide bounds at bf16 let it through)."""
+    if not generate(name):
+        return 0
+    return scale_weight(model, r"layers\.1\.self_attn\.o_proj\.weight$", 1.3)
+
+
+@mutant
 def first_q_proj_one_row_1e2(name, model):
     """first-chunk models: one output row of layer 0's q_proj 1% too large."""
     if not name.startswith("first-"):
