@@ -126,6 +126,12 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
     result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device,
                        first_rows)
     document = plan_document(result, load, costs, budget)
+    chosen = result["plan"]
+    if stated and chosen.prompt + chosen.response > stated[1]:  # as kvc compile --plan warns
+        document["warning"] = (f"P {chosen.prompt} + R {chosen.response} exceed the {stated[1]} positions the model's "
+                               f"config.json states ({stated[0]}): the workload's requests are longer than the "
+                               f"model was built for")
+        progress(f"warning: {document['warning']}")
     if out is not None:
         write_output(out, (json.dumps(document, indent=2, sort_keys=True) + "\n").encode(), "plan")
     if as_json:

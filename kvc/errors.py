@@ -78,11 +78,17 @@ class OutputError(KvcError):
     exit_code = 7
 
 
+# The most of an OpenVINO message a reason quotes: it echoes what it read (a 5000-digit <dim>
+# came back whole).
+REASON_CHARS = 500
+
+
 def openvino_reason(exc: BaseException) -> str:
     """The informative line of an OpenVINO exception: its text nests "Exception from <file>"
-    headers around the actual message, which comes last."""
+    headers around the actual message, which comes last; at most REASON_CHARS of it."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Exception from")]
-    return lines[-1] if lines else type(exc).__name__
+    line = lines[-1] if lines else type(exc).__name__
+    return line if len(line) <= REASON_CHARS else f"{line[:REASON_CHARS]}... ({len(line)} characters)"
 
 
 class ComputeError(KvcError):

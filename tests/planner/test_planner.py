@@ -414,3 +414,17 @@ def test_first_chunks_are_costed_as_compile_builds_them_for_the_model():
     chunked = resolve_chunk("auto", ("CPU",), "f32")
     assert chunked and first_rows("CPU", "f32", fixtures.path("llama")) == "dynamic"
     assert first_rows("CPU", "f32", fixtures.path("qwen3_moe")) == "static"
+
+
+def test_a_plan_past_the_models_positions_says_so(tmp_path):
+    """gpt2 states 256 positions; a workload of 300-token prompts was planned at P 512 without
+    a word (`kvc compile --plan` warned). Given costs, no target: taken as they are."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": "kvc-costs/1", "call_ms": {"16": 1.0, "512": 20.0},
+                                 "step_ms": {"256": 1.0, "1024": 2.0}}))
+    workload = tmp_path / "h.json"
+    workload.write_text(json.dumps({"requests": [[300, 16, 4]]}))
+    result = kvc("plan", fixtures.path("gpt2"), "--workload", workload, "--costs", costs, "-o", tmp_path / "plan.json")
+    assert re.search(r"warning: P \d+ \+ R \d+ exceed the 256 positions the model's config.json states \(n_positions\)",
+                     result.output)
+    assert "exceed the 256 positions" in json.loads((tmp_path / "plan.json").read_text())["warning"]
