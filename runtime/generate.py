@@ -74,11 +74,10 @@ def far_past(name: str, shape, seq_axis: int) -> np.ndarray:
     return np.moveaxis(q.reshape([rows, *shape]), 0, seq_axis)
 
 
-def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, int]]]:
+def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Seed a session's empty cache with `rows` far-past rows (`far_past`): a stateless
     session's past inputs (returned), a stateful one's variables (set); and, for each cache
-    tensor by the name its cache is kept under (`Generation.cache`), its static input name and
-    sequence axis. A zero-length cache names its sequence axis by its last empty dimension
+    tensor by the name its cache is kept under (`Generation.cache`), its sequence axis. A zero-length cache names its sequence axis by its last empty dimension
     (the first is the batch's, as OpenVINO's variables start)."""
     from kvc.passes.lift_state import lifted_name
 
@@ -90,10 +89,10 @@ def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray],
         if len(dims) > 1:
             shape[dims[0]] = 1
         shape[dims[-1]] = rows
-        axes[name] = (static, dims[-1])
+        axes[name] = dims[-1]
         return far_past(static, shape, dims[-1]).astype(array.dtype)
 
-    axes: dict[str, tuple[str, int]] = {}
+    axes: dict[str, int] = {}
     if is_stateless(session):
         past = empty_past(session, 1)
         past = {name: seeded(name, v, name) if name != "past_beam_table" else v for name, v in past.items()}
@@ -228,6 +227,6 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         step_ids = np.array([[token]], dtype=np.int64)
     if keep_cache:
         gen.cache = dict(past) if stateless else session.state()
-        for name, (_, axis) in axes.items():
+        for name, axis in axes.items():
             gen.cache[name] = np.take(gen.cache[name], range(gen.origin, gen.cache[name].shape[axis]), axis)
     return gen
