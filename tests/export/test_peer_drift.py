@@ -16,8 +16,8 @@ from kvc.export.manifest import MANIFEST
 from kvc.verify import cache_rows
 from kvc.verify.cache_rows import BLOB_ROW_ERROR
 from kvc.runtime.compare import STEP_ERROR
-from kvc.verify.peer_drift import (NRMSE_CEILING, NRMSE_FLOOR, PEER_FACTOR, ROW_CEILING, ROW_FLOOR, STEP_FLOOR,
-                                    Drift)
+from kvc.verify.peer_drift import (NRMSE_CEILING, NRMSE_FLOOR, PEER_FACTOR, ROW_CEILING, ROW_FLOOR,
+                                    SELECTING_NRMSE_CEILING, STEP_FLOOR, Drift)
 from tests.cli.runner import SMALL, kvc
 
 LONG = ("--prefill-chunk-size", "16,128,512", "--prefill-first", "0")  # probes of 7, 25, 137 and 521 tokens
@@ -97,7 +97,8 @@ def test_the_peer_sets_every_bound_between_a_floor_and_a_ceiling():
     assert set(wild.row_bounds(fixed).values()) == {ROW_CEILING}
     # A graph that selects keeps the fixed bounds, only ever widened.
     assert typical.limit(0.05, selects=True) == 0.05 and typical.row_bounds(fixed, selects=True) == fixed
-    assert Drift(nrmse=0.04, row_error=None, precision="bf16").limit(0.05, selects=True) == NRMSE_CEILING
+    assert Drift(nrmse=0.04, row_error=None, precision="bf16").limit(0.05, selects=True) == pytest.approx(0.12)
+    assert Drift(nrmse=0.1, row_error=None, precision="bf16").limit(0.05, selects=True) == SELECTING_NRMSE_CEILING
     # No rows compared (kvc verify against the source): the fixed row bounds, unused.
     assert Drift(nrmse=np.float64(0.0), row_error=None, precision="bf16").row_bounds(fixed) == fixed
     # The near-tie's noise: capped at 3x the peer's, unless the peer chose the same token.
