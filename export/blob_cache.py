@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import re
 import shutil
 from pathlib import Path
@@ -103,6 +105,9 @@ class BlobCache:
         try:
             meta = jsontext.loads(jsontext.read_text(record))
             ok = isinstance(meta, dict) and meta.get("key") == key and isinstance(meta.get("entry"), dict)
+            if ok:  # a regular file of the recorded size first: a link to /dev/zero filled the disk
+                mode = os.stat(blob)
+                ok = stat.S_ISREG(mode.st_mode) and mode.st_size == meta.get("bytes")
             if ok:
                 shutil.copyfile(blob, out)
                 ok = out.stat().st_size == meta.get("bytes") and sha256_file(out) == meta.get("sha256")

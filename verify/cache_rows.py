@@ -163,7 +163,7 @@ ROW_FLOOR = 0.05
 
 def compare_cache(ref: dict[str, np.ndarray], held: dict[str, np.ndarray], kv, rows: int, *,
                   every_layer: bool = True, bounds: dict[str, float] | None = None,
-                  against: str = "the source model's") -> CacheCheck:
+                  against: str = "the source model's", static_ref: bool = False) -> CacheCheck:
     """Every position `[0, rows)` of each KV tensor of `held` (`held_rows`) against the
     source's (`source_rows`), each tensor bounded by its cache type's `ROW_ERROR` (or
     `bounds`); the result names the row furthest past (or nearest to) its bound, and whose rows
@@ -174,6 +174,9 @@ def compare_cache(ref: dict[str, np.ndarray], held: dict[str, np.ndarray], kv, r
     from kvc.errors import VerificationError
 
     first = min(spec.layer for spec in kv)
+    # the reference's sequence axis: a static cache's as `held`'s (`static_ref`: another static
+    # pipeline's rows), the source's as its layer's key's (a value stored transposed is not)
+    keys = {} if static_ref else {spec.layer: spec.seq_axis for spec in kv if spec.kind == "key"}
     worst, ratio = CacheCheck(True, rows, 0.0, against=against), -1.0
     for spec in kv:
         if spec.kind.endswith("_scale") or not every_layer and spec.layer != first:
@@ -181,7 +184,7 @@ def compare_cache(ref: dict[str, np.ndarray], held: dict[str, np.ndarray], kv, r
         if spec.input not in ref:
             raise VerificationError(f"the source model's cache has no {spec.input} (it has "
                                     f"{', '.join(sorted(ref)) or 'none'})")
-        a, r = _aligned(spec, held[spec.input], ref[spec.input], rows)
+        a, r = _aligned(spec, held[spec.input], ref[spec.input], rows, keys.get(spec.layer, spec.seq_axis))
         errors = row_error(r, a)
         bound = (bounds or ROW_ERROR)[spec.element_type]
         at = int(np.argmax(errors)) if errors.size else 0
@@ -191,13 +194,16 @@ def compare_cache(ref: dict[str, np.ndarray], held: dict[str, np.ndarray], kv, r
     return worst
 
 
-def _aligned(spec, held: np.ndarray, ref: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _aligned(spec, held: np.ndarray, ref: np.ndarray, rows: int, source_axis: int) -> tuple[np.ndarray, np.ndarray]:
     """The first `rows` positions of `held` and of `ref`, each with its positions on axis 0: the
-    spec's sequence axis is the source's too, unless the cache stores the tensor transposed
-    (values with the sequence last), where it is the axis the shapes then line up on."""
+    source's sequence axis is its layer's key's (`source_axis`; the spec's own unless the cache
+    stores the tensor transposed, values with the sequence last), else the axis the shapes
+    then line up on. By shapes first, a 2-row run of llama with its 2 KV heads compared heads
+    as rows, and a 16-row one its head dimension of 16: a correct --transpose-v compile, and
+    `kvc verify` of one, were refused."""
     from kvc.errors import VerificationError
 
-    for axis in (spec.seq_axis, *range(ref.ndim)):
+    for axis in (source_axis, spec.seq_axis, *range(ref.ndim)):
         if held.ndim != ref.ndim or ref.shape[axis] < rows:
             continue
         moved = np.moveaxis(held, spec.seq_axis, 0)[:rows]

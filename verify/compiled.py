@@ -330,7 +330,7 @@ def judge_run(ref, got, kv, *, row_bounds: dict | None = None, against: str = "t
                getattr(got, "kv_rows", 0) - getattr(got, "origin", 0))
     every_layer = not policy.get("reduced") or policy.get("step_bound", STEP_ERROR) is not None
     cache = compare_cache(ref.cache, got.cache, kv, rows, every_layer=every_layer, bounds=row_bounds,
-                          against=against)
+                          against=against, static_ref=hasattr(ref, "kv_rows"))
     row.update(cache.to_dict())
     if verdict.ok and not cache.ok:
         row.update(ok=False, reason=cache.reason())
@@ -588,7 +588,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             runs.append(got)
             judged.append({"backend": backend, "prompt": i, **probe_row(probe),
                            **judge_by(peer, exacts[i], got, probe.prompt, plan.kv, selecting, policy)})
-        rows += few_routers_flipped(judged) if selecting and peer is not None else judged
+        rows += few_routers_flipped(judged, excuse=None) if selecting and peer is not None else judged
         del pipe
         if backend == "numpy":
             ir_runs = runs
@@ -605,22 +605,28 @@ def check_copies(source, directory, manifest: dict) -> dict:
     """The files the compile copied beside the models (the tokenizer's, config.json,
     generation_config.json: what `kvc run` reads to turn text into ids and to stop, and what
     `kvc verify` reads for the window and special ids it probes) against the source model's,
-    byte for byte: the manifest's hashes prove only that they are what the compile wrote."""
+    byte for byte: the manifest's hashes prove only that they are what the compile wrote. A
+    file with no counterpart beside the source (`--against` a directory without them) is not
+    compared, and said."""
     from kvc.export.compile import TOKENIZER_FILES
     from kvc.ir.reader import resolve
 
     root = resolve(source).root
-    for name in manifest.get("tokenizer", []):
+    copied = manifest.get("tokenizer", [])
+    absent = []
+    for name in copied:
         if name not in TOKENIZER_FILES:
             return {"ok": False, "reason": f"the manifest lists {str(name)[:80]!r}, which kvc never copies"}
         theirs = root / name
         if not theirs.is_file():
-            return {"ok": False, "reason": f"{name} has no counterpart beside the source model ({theirs})"}
-        if theirs.read_bytes() != (directory / name).read_bytes():
+            absent.append(name)
+        elif theirs.read_bytes() != (directory / name).read_bytes():
             return {"ok": False, "reason": f"{name} differs from the source model's ({theirs})"}
-    copied = manifest.get("tokenizer", [])
-    return {"ok": True, "files": len(copied),
-            "reason": f"all {len(copied)} identical to the source model's" if copied else "none copied"}
+    same = len(copied) - len(absent)
+    reason = f"all {same} identical to the source model's" if copied else "none copied"
+    if absent:
+        reason = f"{same} identical to the source model's; not compared, none beside it: {', '.join(absent)}"
+    return {"ok": True, "files": same, "reason": reason}
 
 
 def _check_backends(manifest: dict, backends, from_ir: bool) -> None:

@@ -54,6 +54,11 @@ NRMSE_CEILING = INT8_KV_NRMSE
 # 0.035), granitemoe_int4_asym_cw's 32-token one at 0.118 (the peer 0.117). What keeps a fault
 # out is `few_routers_flipped`: a probe past 3x the peer's bound is the exception.
 SELECTING_NRMSE_CEILING = 0.15
+# How far past the peer's NRMSE the probe a router's flip excuses may be (`few_routers_flipped`):
+# correct blobs of the zoo's mixtures of experts were at most 4.4x (phimoe's 7-token probe, at
+# the defaults and at P 64), faults confined to one probe 8.6x (qwen2_moe, the values of a
+# generate blob's last slots read as zeros) to 20x.
+EXCUSE_FACTOR = 6.0
 # The least a bound may be, whatever the peer measured: about half the least drift of any probe
 # over the zoo (NRMSE 0.00068, step 0.0056, rows 0.0032), so a probe where bf16 happens to
 # round little is not held to nothing.
@@ -148,28 +153,39 @@ def logit_noise(exact, peer, upto: int) -> tuple[float, int | None]:
     return float(np.max(error[np.isfinite(error)], initial=0.0)), own
 
 
-def few_routers_flipped(rows: list[dict]) -> list[dict]:
+def few_routers_flipped(rows: list[dict], excuse: float | None = EXCUSE_FACTOR) -> list[dict]:
     """The rows of one blob check (or one backend of `kvc verify`) of a graph that selects,
-    judged by the peer: its fixed, wide NRMSE bound is for a blob that flips an expert where
-    the peer does not, which moves that probe's logits whatever the arithmetic's drift. Such
-    a flip is the exception: on the zoo's mixtures of experts at bf16 (P 128, 5-6 probes each)
-    a correct blob was past PEER_FACTOR x the peer's NRMSE on at most one probe (phimoe's
-    7-token probe, 4.4x), the others within 0.7-1.2x. A fault in every token's arithmetic is past
-    it on every probe: a qwen3_moe generate blob with layer 1's o_proj 30% or 60% too large
-    (NRMSE 0.025-0.037, 20x the peer's) flipped tokens on three of four probes, each excused
-    as a near-tie, and was published. So at most a quarter of the probes (at least one) may
-    use the fixed bound; past that, every probe beyond the peer's bound fails, saying so."""
+    judged by the peer: its wide NRMSE bound is for a blob that flips an expert where the peer
+    does not, which moves that probe's logits whatever the arithmetic's drift. Such a flip is
+    the exception: on the zoo's mixtures of experts at bf16 (P 128, 5-6 probes each) a correct
+    blob was past PEER_FACTOR x the peer's NRMSE on at most one probe (phimoe's 7-token probe,
+    4.4x), the others within 0.7-1.2x. A fault in every token's arithmetic is past it on every
+    probe: a qwen3_moe generate blob with layer 1's o_proj 30% or 60% too large (NRMSE
+    0.025-0.037, 20x the peer's) flipped tokens on three of four probes, each excused as a
+    near-tie, and was published. So at most a quarter of the probes (at least one) may use the
+    wider bound, and with `excuse` (the compile's blob check) only within that many times the
+    peer's NRMSE: a fault confined to one probe's slots (a generate blob reading zeros for the
+    values of its last slots, 8.6x the peer's on qwen2_moe, 15x on qwen3_moe) was published by
+    the excuse alone. `kvc verify` passes None: its prompts generate 16 tokens, over which a
+    correct blob's flipped expert drifted 7-17x the peer's (gpt_oss, qwen3_moe_int4_sym_g16,
+    granitemoe_int4_asym_cw, their 1-token prompt), where the compile's probes, of 2 to 8
+    tokens, stayed within 4.4x. Every probe past what it may be fails, saying why."""
     judged = [r for r in rows if "peer_nrmse" in r]
     beyond = [r for r in judged if not r["nrmse"] <= _bound(r["peer_nrmse"], NRMSE_FLOOR, NRMSE_CEILING)]
     allowed = max(1, len(judged) // 4)
-    if len(beyond) <= allowed:
-        return rows
     for r in beyond:
         bound = _bound(r["peer_nrmse"], NRMSE_FLOOR, NRMSE_CEILING)
+        widest = None if excuse is None else min(SELECTING_NRMSE_CEILING, excuse * r["peer_nrmse"])
+        if len(beyond) > allowed:
+            why = (f"on {len(beyond)} of {len(judged)} probes: a router flipping an expert the plugin's own run does "
+                   f"not excuses at most {allowed}")
+        elif widest is not None and not r["nrmse"] <= widest:
+            why = f"and past the {excuse:g}x ({widest:.3g}) a router flipping an expert excuses"
+        else:
+            continue
         r["ok"] = False
         r["reason"] = (f"NRMSE {r['nrmse']:.3g} is past {PEER_FACTOR:g}x OpenVINO CPU's own {r['peer_precision']} "
-                       f"drift ({bound:.3g}) on {len(beyond)} of {len(judged)} probes: a router flipping an "
-                       f"expert the plugin's own run does not excuses at most {allowed}; {r['reason']}")
+                       f"drift ({bound:.3g}) {why}; {r['reason']}")
     return rows
 
 

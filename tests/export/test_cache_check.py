@@ -112,3 +112,15 @@ def test_a_blob_storing_other_rows_than_its_ir_is_never_published(tmp_path, monk
                                                 r"not the reference's: .*(and bounds this run at 3x that|at most))"):
         compile_to(fixtures.path("llama"), tmp_path / "out", options)
     assert not (tmp_path / "out").exists()
+
+
+def test_values_stored_transposed_are_compared_along_their_keys_sequence(tmp_path):
+    """--transpose-v on llama (2 KV heads, head size 16): a far probe's 2 rows lined up with the
+    source's heads axis first, and a correct compile was refused ("KV cache row 0 of
+    past_key_values.0.value is not the source model's"); `kvc verify`'s 16-row runs lined up
+    with its head dimension, against the source and against the IR's rows."""
+    from tests.cli.runner import SMALL, kvc
+
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL, "--transpose-v")
+    kvc("verify", tmp_path / "out")
+    kvc("verify", tmp_path / "out", "--backends", "numpy", "--against", fixtures.path("llama").parent / "stateless")

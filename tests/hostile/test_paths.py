@@ -106,3 +106,14 @@ def test_a_blob_cache_that_cannot_be_made_is_said_and_the_compile_goes_on(tmp_pa
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "out", *SMALL, "--cache-dir", blocker / "cache")
     assert f"blob cache: cannot use {blocker / 'cache'}" in result.output and "goes on without it" in result.output
     assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_a_cached_blob_that_is_not_a_regular_file_of_its_size_is_stale(tmp_path):
+    """A cached blob linked to /dev/zero was copied until the disk filled (3.35 GB in 8 s)."""
+    cache = tmp_path / "cache"
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "a", *SMALL, "--cache-dir", cache)
+    blob = sorted(cache.glob("*.blob"))[0]
+    blob.unlink()
+    blob.symlink_to("/dev/zero")
+    result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "b", *SMALL, "--cache-dir", cache)
+    assert "is stale or damaged" in result.output

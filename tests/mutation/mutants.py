@@ -172,6 +172,56 @@ def chunk_past_middle_masked(name, model):
     return mask_keep(model, lambda j, M: 0 if 3 * M // 8 <= j < M // 2 else 1)
 
 
+def _past_values(model):
+    """The outputs of the value past inputs (past_key_values.N.value)."""
+    rx = re.compile(r"past_key_values\.\d+\.value$")
+    return [p.get_node().output(0) for p in model.inputs if any(rx.search(n) for n in p.get_names())]
+
+
+def past_rows(model, edit) -> int:
+    """Every value past input read as edit(values, seq axis, rows) instead: the sequence axis is
+    the last of the past's length (the mask's width less the new rows; values stored [B, H, D, S]
+    too)."""
+    ids = port(model, "input_ids") or port(model, "inputs_embeds")
+    past = port(model, "attention_mask").get_partial_shape()[1].get_length() - ids.get_partial_shape()[1].get_length()
+    n = 0
+    for out in _past_values(model):
+        dims = [d.get_length() for d in out.get_partial_shape()]
+        if past not in dims:
+            continue
+        axis = max(i for i, d in enumerate(dims) if d == past)
+        n += reroute(out, lambda x, axis=axis: edit(x, axis, past))
+    return n
+
+
+@mutant
+def gen_past_values_shifted(name, model):
+    """generate: the values of past slots [0.55 S, 0.8 S) read one slot late, the keys right (a
+    gather of the past one off in a stretch no probe from position 0 reaches). Over a far past
+    whose rows all shared one part, attention spread over them nearly cancelled the shift: in
+    the blobs alone (bf16), it was published."""
+    if not generate(name):
+        return 0
+    return past_rows(model, lambda x, axis, S: ops.gather(
+        x, i64([j + 1 if 0.55 * S <= j < 0.8 * S else j for j in range(S)]), i64(axis)))
+
+
+@mutant
+def gen_past_values_zeroed(name, model):
+    """generate: the values of past slots [0.8 S, S - 1) read as zeros (only a far probe reaches
+    them). On a mixture of experts at bf16, one probe's NRMSE 15x the plugin's own drift, it
+    was published as the one probe a router's flip excuses."""
+    if not generate(name):
+        return 0
+
+    def zeroed(x, axis, S):
+        keep = np.array([0.0 if 0.8 * S <= j < S - 1 else 1.0 for j in range(S)], np.float32)
+        shape = [1] * len(x.get_partial_shape())
+        shape[axis] = S
+        return ops.multiply(x, ops.constant(keep.reshape(shape), dtype=x.get_element_type()))
+    return past_rows(model, zeroed)
+
+
 @mutant
 def chunk_past_beyond_C_ignored(name, model):
     """the chunk prefill model reads only the first C slots of its past."""
