@@ -525,7 +525,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
                      "outputs": port_table(static.models[name].outputs), "blobs": {}}
               for name, xml in xmls.items()}
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    from kvc.verify.compiled import far_past_fits, probe_cases, selects, special_ids
+    from kvc.runtime.generate import far_past_fits
+    from kvc.verify.compiled import probe_cases, selects, special_ids
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
     integer = integer_weights(static.models["prefill"])  # the static models share their weights
@@ -769,14 +770,7 @@ def _cached_entry_fits(entry: dict, unit: tuple[str, ...], device: str, config: 
         return False
     if len(unit) > 1 and entry["branches"] != list(unit):
         return False
-    recorded = entry["import_config"]
-    if not isinstance(recorded, dict):
-        return False
-    if device != "CPU":
-        return recorded == ({**config, "WEIGHTS_PATH": WEIGHTS_FILE} if config.get("NPUW_CWAI") == "YES" else config)
-    defaults = {"INFERENCE_PRECISION_HINT": cpu_precision("auto"),
-                "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(core().get_property("CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
-    return recorded == {**defaults, **config, "WEIGHTS_PATH": WEIGHTS_FILE}
+    return entry["import_config"] == import_config(device, config)
 
 
 def check_side_files(source_dir: Path) -> None:
@@ -1036,14 +1030,20 @@ def embed_small_constants(model) -> None:
                 del rt[key]
 
 
-def import_config(device: str, config: dict, compiled) -> dict:
+def import_config(device: str, config: dict, compiled=None) -> dict:
     """What import needs: a CPU blob forgets its arithmetic, so the precision and dynamic
     quantization the compile chose (asked for, or the plugin's default) are recorded as the
-    compiled model reports them; weightless blobs (CPU, and NPU through NPUW) need the weights
-    file."""
+    `compiled` model reports them (without it, as `config` and the plugin's defaults set them:
+    what a blob cache record must say, `_cached_entry_fits`); weightless blobs (CPU, and NPU
+    through NPUW) need the weights file."""
     if device == "CPU":
-        chosen = {"INFERENCE_PRECISION_HINT": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
-                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
+        if compiled is not None:
+            chosen = {"INFERENCE_PRECISION_HINT": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": str(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
+        else:
+            chosen = {"INFERENCE_PRECISION_HINT": config.get("INFERENCE_PRECISION_HINT", cpu_precision("auto")),
+                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": config.get(
+                          "DYNAMIC_QUANTIZATION_GROUP_SIZE", str(core().get_property("CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE")))}
         return {**config, **chosen, "WEIGHTS_PATH": WEIGHTS_FILE}
     if config.get("NPUW_CWAI") == "YES":
         return {**config, "WEIGHTS_PATH": WEIGHTS_FILE}

@@ -154,7 +154,7 @@ def _compiled_directory_of(path: Path) -> Path | None:
     if path.name == manifest.name:
         return path.parent
     try:
-        files = jsontext.loads(manifest.read_bytes()[:1 << 24]).get("files", {})
+        files = jsontext.loads(jsontext.read_text(manifest)).get("files", {})
     except (OSError, ValueError, AttributeError):
         return None
     return path.parent if isinstance(files, dict) and path.name in files else None

@@ -70,6 +70,13 @@ def far_past(name: str, shape, seq_axis: int) -> np.ndarray:
     return np.moveaxis(q.reshape([rows, *shape]), 0, seq_axis)
 
 
+def far_past_fits(kv_element_types) -> bool:
+    """Whether a cache of these element types holds a far past exactly: a float one (an int8
+    cache's keys are read back through calibrated channel magnitudes the source cannot be
+    given)."""
+    return all(t in ("f32", "f16", "bf16") for t in kv_element_types)
+
+
 def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """Seed a session's empty cache with `rows` far-past rows (`far_past`): a stateless
     session's past inputs (returned), a stateful one's variables (set); and, for each cache

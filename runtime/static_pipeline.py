@@ -31,7 +31,7 @@ import numpy as np
 
 from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
-from kvc.runtime.generate import Generation, far_past
+from kvc.runtime.generate import Generation, far_past, far_past_fits
 from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
 
@@ -162,12 +162,11 @@ class StaticPipeline:
     def fill_far_past(self, rows: int) -> None:
         """Rows `[0, rows)` of every cache tensor as `far_past` gives them, what a far probe
         starts over (`kvc.verify.compiled.probe_cases`; the source model's cache is given the
-        same, `greedy(filled=True)`): exact in a float cache. An int8 cache is refused: its keys
-        are read back through calibrated channel magnitudes the source cannot be given."""
-        floats = ("f32", "f16", "bf16")
-        if any(spec.element_type not in floats or spec.kind.endswith("_scale") for spec in self.kv):
+        same, `greedy(filled=True)`): exact in a float cache, and only there (`far_past_fits`)."""
+        types = [spec.element_type for spec in self.kv]
+        if not far_past_fits(types):
             raise UsageError("a far past needs a float cache (f32, f16 or bf16), not "
-                             f"{sorted({spec.element_type for spec in self.kv} - set(floats))}")
+                             f"{sorted(set(types) - {'f32', 'f16', 'bf16'})}")
         for spec in self.kv:
             shape = list(spec.shape)
             shape[spec.seq_axis] = rows

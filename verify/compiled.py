@@ -85,10 +85,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     generate variant's last two steps. Without them the checks ran positions up to 26 of 128
     (the llama fixture at P 64): a generate model whose positions were clamped to P - 1, a
     chunk model that read only the first C slots of its past, were published. With `filled`
-    (every float cache: the callers pass `far_past_fits`), each starts over a far past
-    (`kvc.runtime.generate.far_past`: distinct synthetic rows in every slot before its origin,
-    the static cache and the source model's given the same values, attended), so its calls read
-    every slot of their past at no more rows: over empty rows, a generate model that never
+    (every float cache: the callers pass `kvc.runtime.generate.far_past_fits`), each starts
+    over a far past (`kvc.runtime.generate.far_past`: distinct synthetic rows in every slot
+    before its origin, the static cache and the source model's given the same values,
+    attended), so its calls read every slot of their past at no more rows: over empty rows, a generate model that never
     attended a stretch in the middle of its past was published (no probe from position 0
     fills it). A generate variant's far probe also runs over empty rows, as it did, at the
     cost of three steps: there its last steps attend only the rows they wrote, and a blob that
@@ -147,13 +147,6 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
                                min(tokens, BULK_TOKENS, max_new_tokens(plan, origin + length)), None, origin,
                                filled=filled))
     return cases
-
-
-def far_past_fits(kv_element_types) -> bool:
-    """Whether a cache of these element types holds a far past (`probe_cases`): a float one."""
-    from kvc.runtime.compare import int8_kv
-
-    return not int8_kv(kv_element_types)
 
 
 def _far_probes(plan) -> list[tuple[int, int, bool]]:
@@ -521,6 +514,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from kvc.export.load import backend_config, pipeline_from
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
+    from kvc.runtime.generate import far_past_fits
     from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import WIDENED_ROW_ERROR, held_rows, stored_rows
     from kvc.ir.reader import load

@@ -10,10 +10,10 @@ from kvc import fixtures
 from kvc.errors import UsageError
 from kvc.ir import load
 from kvc.plan import KVSpec
-from kvc.runtime.generate import far_past, greedy
+from kvc.runtime.generate import far_past, far_past_fits, greedy
 from kvc.runtime.session import NumpySession, OpenVINOSession
 from kvc.runtime.static_pipeline import StaticPipeline
-from kvc.verify.compiled import far_past_fits, probe_cases
+from kvc.verify.compiled import probe_cases
 from tests.export.test_weights_check import built
 
 
