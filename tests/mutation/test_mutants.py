@@ -180,3 +180,17 @@ def test_a_routers_wide_bounds_excuse_one_probe_not_every_probe(tmp_path, monkey
                      r"expert the plugin's own run does not excuses at most 1", result.output)
     monkeypatch.setattr(peer_drift, "few_routers_flipped", lambda rows: rows)
     kvc(*args)  # what the fixed bounds alone publish
+
+
+def test_the_probe_a_routers_flip_excuses_stays_near_the_plugins_own_drift(tmp_path, monkeypatch):
+    """qwen2_moe at bf16: a generate blob reading zeros for the values of its last past slots
+    moves one probe, 8.6x the plugin's own drift; as the one probe a router's flip may excuse
+    it was published. The excuse now reaches EXCUSE_FACTOR x the peer in the compile."""
+    from kvc.verify import peer_drift
+
+    applied = apply("gen_past_values_zeroed", monkeypatch.setattr, monkeypatch.setenv, "blob")
+    args = ("compile", fixtures.path("qwen2_moe"), "-o", tmp_path / "out", *SMALL, "--inference-precision", "bf16")
+    result = kvc(*args, code=4)
+    assert applied.edits and "a router flipping an expert excuses" in result.output
+    monkeypatch.setattr(peer_drift.few_routers_flipped, "__defaults__", (float("inf"),))
+    kvc(*args)  # one probe excused without a limit
