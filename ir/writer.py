@@ -10,6 +10,7 @@ numbers kvc promises to keep).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -90,15 +91,22 @@ def write_bytes_atomic(target: str | Path, data: bytes) -> None:
 def check_writable(target: str | Path, what: str) -> None:
     """Raise the OutputError `write_output` would, before the work that makes `target` (a
     compile with --report published OUT, then failed to write the page: exit 7, though 7
-    says nothing was published). A temporary file is made beside `target` and removed."""
+    says nothing was published). A temporary file is made beside `target` and removed; a
+    missing parent is not made (`kvc compile -o NEW --report NEW/page.html` made NEW, then
+    refused it as an existing OUT): the nearest directory that exists must be writable, and
+    `write_output` makes the rest."""
     path, stream = output_path(target, what)
     try:
         if stream:
             if not os.access(path, os.W_OK):
                 raise PermissionError(13, "Permission denied")
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_file(path.parent, f".{path.name}.", ".tmp")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise NotADirectoryError(20, f"{parent} is not a directory")
+        fd, tmp = temp_file(parent, f".{path.name}.", ".tmp")
         os.close(fd)
         tmp.unlink()
     except OSError as exc:
@@ -114,12 +122,30 @@ def write_output(target: str | Path, data: bytes, what: str) -> None:
     path, stream = output_path(target, what)
     try:
         if stream:
-            with open(path, "wb") as f:
-                f.write(data)
+            _write_through(path, data)
         else:
             write_bytes_atomic(path, data)
     except OSError as exc:
         raise OutputError(f"cannot write the {what} {target}: {exc.strerror or exc}; nothing was written") from None
+
+
+def _write_through(path: Path, data: bytes) -> None:
+    """Write `data` to a device, FIFO or socket. A FIFO no process reads is ENXIO, not a wait
+    for a reader that may never come (a shell redirect waits; kvc hung): it is opened without
+    blocking, then written blocking."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, "no process is reading it (a FIFO is written only while one reads)") from None
+        raise
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def output_path(target: str | Path, what: str) -> tuple[Path, bool]:

@@ -117,3 +117,27 @@ def test_a_cached_blob_that_is_not_a_regular_file_of_its_size_is_stale(tmp_path)
     blob.symlink_to("/dev/zero")
     result = kvc("compile", fixtures.path("llama"), "-o", tmp_path / "b", *SMALL, "--cache-dir", cache)
     assert "is stale or damaged" in result.output
+
+
+def test_a_fifo_nobody_reads_is_an_error_not_a_hang(tmp_path):
+    """kvc waited forever to open a FIFO for writing that no process read (as a shell
+    redirect does); it is an OutputError naming the path, at once."""
+    fifo = tmp_path / "events"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match=f"cannot write the KV events {fifo}: no process is reading it"):
+        write_output(fifo, b"{}\n", "KV events")
+
+
+def test_checking_a_report_path_makes_no_directory(tmp_path):
+    """`kvc compile -o NEW --report NEW/report.html` made NEW when it checked the page's path,
+    then refused NEW as an existing OUT: the check makes nothing, the compile makes NEW, and the
+    page is written into it."""
+    new = tmp_path / "new"
+    check_writable(new / "deeper" / "report.html", "report")
+    assert not new.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OutputError, match="is not a directory"):
+        check_writable(blocker / "deeper" / "report.html", "report")
+    kvc("compile", fixtures.path("llama"), "-o", new, *SMALL, "--no-verify", "--report", new / "report.html")
+    assert (new / "manifest.json").is_file() and "<html" in (new / "report.html").read_text()[:200].lower()
