@@ -23,7 +23,8 @@ def _backends(text: str) -> tuple[str, ...]:
 @click.command("verify")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--against", type=click.Path(exists=True, path_type=Path), default=None,
-              help="The original model (default: the source recorded in the manifest).")
+              help="The original model (default: the source recorded in the manifest); with --goldens, read only "
+                   "to check them at another arithmetic than the one that recorded them.")
 @click.option("--backends", default=None,
               help="Comma-separated: numpy,openvino,npu. Default: numpy and the backend of each device OUT "
                    "has blobs for (openvino for CPU, npu for NPU; openvino with --from-ir); with --goldens, the "
@@ -55,7 +56,7 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
         # Each listed backend, else the one the goldens were recorded on (blobs recorded on
         # openvino were checked on numpy's IR run, which a bad blob does not change).
         report = golden_files.check_backends(out, goldens, _backends(backends) if backends else None,
-                                             from_ir=from_ir)
+                                             from_ir=from_ir, against=against)
         _finish(report, as_json, ["backend", "prompt", "tokens", "first divergent", "max logit drift", "result"],
                 lambda r: (r["backend"], r["prompt"], r["prompt_tokens"], _dash(r["first_divergent_token"]),
                            f"{r['max_logit_drift']:.2g}", r["reason"]))
@@ -63,11 +64,11 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
     backend_list = _backends(backends) if backends else default_backends(out, from_ir)
     if record is not None:
         if prompts is None:
-            from kvc.export.manifest import plan_of, read_manifest
+            from kvc.export.manifest import plan_of, read_manifest, vocab_of
             from kvc.verify.compiled import default_prompts, special_ids
 
             manifest = read_manifest(out)
-            vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
+            vocab = vocab_of(manifest)
             prompts = default_prompts(plan_of(manifest).lengths, vocab, specials=special_ids(out, vocab))
         data = golden_files.record(out, record, prompts, backend=backend_list[0], new_tokens=max_new_tokens,
                                    from_ir=from_ir)

@@ -20,7 +20,8 @@ from kvc.errors import DeviceError, UsageError, openvino_reason
 from kvc.export.branches import BranchSession, branch_inputs, branch_ports, branch_selects
 from kvc.export.compile import device_config
 from kvc.export.mapped import pages_released, trim_heap
-from kvc.export.manifest import check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest
+from kvc.export.manifest import (check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest,
+                                 vocab_of)
 from kvc.ir.reader import core, load, map_weights
 from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session, backend_dtype
 from kvc.runtime.static_pipeline import StaticPipeline
@@ -277,8 +278,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
     prefill = sessions["prefill"]
     bulk = {size: sessions[name] for name, (kind, size) in kinds.items() if kind == "prefill" and size is not None}
     first = {size: sessions[name] for name, (kind, size) in kinds.items() if kind == "first"}
-    logits = next(o for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
-    pipe = StaticPipeline(prefill, generate, plan_of(manifest), vocab=logits["shape"][-1], bulk=bulk, first=first)
+    pipe = StaticPipeline(prefill, generate, plan_of(manifest), vocab=vocab_of(manifest), bulk=bulk, first=first)
     if first_runs:  # the last import's copies go at the first prompt, with no import after it
         for name in order[:-1]:
             _first_inference(sessions[name], manifest["models"][name]["inputs"])

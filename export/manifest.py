@@ -453,6 +453,11 @@ def check_ports(directory, name: str, entry: dict, ports_in, ports_out) -> None:
 
 
 
+def vocab_of(manifest: dict) -> int:
+    """The vocabulary size: the last axis of the prefill model's logits."""
+    return next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
+
+
 def plan_of(manifest: dict) -> StaticPlan:
     """The plan of a manifest that `read_manifest` checked."""
     return StaticPlan.from_dict(manifest["plan"])

@@ -512,7 +512,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
     from kvc.export.compile import model_window
     from kvc.export.load import backend_config, pipeline_from
-    from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes
+    from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes, vocab_of
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.generate import far_past_fits
     from kvc.runtime.static_pipeline import max_new_tokens
@@ -530,7 +530,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     is_recorded_source = against is None or source_hashes(source) == manifest["source"]["sha256"]
     plan = plan_of(manifest)
     lengths = plan.lengths
-    vocab = next(o["shape"][-1] for o in manifest["models"]["prefill"]["outputs"] if o["name"] == "logits")
+    vocab = vocab_of(manifest)
     specials = special_ids(directory, vocab)
     prompts = prompts or default_prompts(lengths, vocab, specials=specials)
     cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]

@@ -6,9 +6,10 @@ near-tie (`judge_entry`) or logit drift beyond tolerance (`drift_bound`: 1e-4 on
 f16 KV or the NPU plugin: 1e-2 absolute, a generous bound for its rounding; bf16 or f16 CPU
 arithmetic: two units in the last place at the logits' magnitude, at least 1e-2), the larger of
 the recording run's bound and the checking run's (goldens recorded from bf16 CPU blobs and checked
-on the exact numpy runtime carry the recording's rounding); a NaN or Inf anywhere in the logits
-fails, and is never recorded. The file names the kvc and OpenVINO versions and the backend and
-arithmetic that recorded it.
+on the exact numpy runtime carry the recording's rounding); checked at another arithmetic than
+the recording's, below f32, at least 3x the plugin's own drift on the source model (`check`); a
+NaN or Inf anywhere in the logits fails, and is never recorded. The file names the kvc and
+OpenVINO versions and the backend and arithmetic that recorded it.
 
 The numpy backend runs widened (`kvc.verify.compiled.widens`), as `kvc verify` and the
 compile's check run it: its answer is the IR's exact one, recorded with an f32 cache and judged
@@ -27,9 +28,9 @@ import numpy as np
 from kvc import __version__, jsontext
 from kvc.errors import InvalidModelError, VerificationError
 from kvc.export.load import backend_config, pipeline_from
-from kvc.export.manifest import check_files, openvino_version, read_manifest
+from kvc.export.manifest import check_files, openvino_version, plan_of, read_manifest, recorded_source, vocab_of
 from kvc.ir.writer import write_output
-from kvc.runtime.compare import count_nonfinite, first_divergence, reduced_precision
+from kvc.runtime.compare import count_nonfinite, dynamic_quantization, first_divergence, reduced_precision
 from kvc.runtime.sampling import JUDGED
 from kvc.runtime.static_pipeline import max_new_tokens
 
@@ -38,15 +39,22 @@ FORMAT = "kvc-goldens/1"
 KV_ELEMENT_TYPES = ("f32", "f16", "bf16", "i8")  # the cache a recording ran over
 
 
-def _open(directory: Path, manifest: dict, backend: str, from_ir: bool):
-    """The pipeline goldens are recorded or checked on (numpy widened: the module's rule) and
-    the element type of the cache it runs over."""
-    from kvc.export.manifest import plan_of
+def _widens(manifest: dict, backend: str) -> bool:
     from kvc.verify.compiled import widens
 
-    widen = backend == "numpy" and widens(plan_of(manifest).kv_element_types)
-    pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widen)
-    return pipe, "f32" if widen else pipe.plan.kv[0].element_type
+    return backend == "numpy" and widens(plan_of(manifest).kv_element_types)
+
+
+def _kv_type(manifest: dict, backend: str) -> str:
+    """The element type of the cache `backend` runs the directory over (numpy widened: the
+    module's rule)."""
+    return "f32" if _widens(manifest, backend) else plan_of(manifest).kv[0].element_type
+
+
+def _open(directory: Path, manifest: dict, backend: str, from_ir: bool):
+    """The pipeline goldens are recorded or checked on, and `_kv_type`."""
+    pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=_widens(manifest, backend))
+    return pipe, _kv_type(manifest, backend)
 
 
 def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int = 16, from_ir: bool = False) -> dict:
@@ -95,12 +103,13 @@ def drift_bound(data: dict, backend: str, config: dict, kv_type: str | None = No
 
 
 def _recorded_config(data: dict, manifest: dict, from_ir: bool) -> dict:
-    """The arithmetic the goldens were recorded at: as the file says, or where it does not say
-    (numpy's exact runtime, a device whose configuration names none, a file from before it
-    said) as the directory's blobs for that backend run."""
+    """The arithmetic the goldens were recorded at: the directory's configuration for that
+    backend (its blobs', or the device's from the IR; nothing for numpy's exact runtime), at
+    the inference precision the file names where it names one."""
+    config = backend_config(manifest, data["backend"], from_ir=from_ir) or {}
     if data.get("inference_precision") is not None:
-        return {"INFERENCE_PRECISION_HINT": data["inference_precision"]}
-    return backend_config(manifest, data["backend"], from_ir=from_ir) or {}
+        config["INFERENCE_PRECISION_HINT"] = data["inference_precision"]
+    return config
 
 
 def _at(tokens, i):
@@ -162,7 +171,7 @@ def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
     is the recorded token and the run's token is among its top 5 at most 2 * atol below it
     (each may drift by atol), which this arithmetic may decide either way (compile's check has
     the same rule). Steps after a changed token read different tokens, so only the steps up to
-    it are compared then."""
+    it are compared."""
     div = first_divergence(entry["tokens"], tokens)
     near_tie = None
     if div is not None and div < min(len(entry["top_logits"]), len(tokens)):
@@ -171,47 +180,157 @@ def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
         if top == entry["tokens"][div] and tokens[div] in recorded:
             margin = recorded[top] - recorded[tokens[div]]
             near_tie = margin if margin <= 2 * atol else None
-    upto = len(logits) if near_tie is None else div + 1
-    drifts = [abs(float(logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:upto]) for t, v in step]
-    drift = float(np.max(drifts, initial=0.0))  # NaN-propagating, unlike max()
+    drift = _top_drift(entry, logits, len(logits) if div is None else div + 1)
     nonfinite = count_nonfinite(logits)
     ok = bool((div is None or near_tie is not None) and not nonfinite and drift <= atol)  # atol may be numpy's
     changed = f"token {div} changed: {_at(entry['tokens'], div)} -> {_at(tokens, div)}" if div is not None else ""
     reason = (f"{nonfinite} non-finite logit(s)" if nonfinite
-              else f"logit drift {drift:.3g} > {atol}" if not drift <= atol
+              else f"logit drift {drift:.3g} > {atol:.3g}" if not drift <= atol
+              else f"{changed}, not a near-tie (bound {atol:.3g})" if div is not None and near_tie is None
               else f"near-tie: {changed} (recorded margin {near_tie:.2g} <= 2 x {atol:.2g}); matches up to it"
               if near_tie is not None
-              else changed if div is not None else "matches")
+              else "matches")
     return {"ok": ok, "first_divergent_token": div, "near_tie": near_tie is not None, "max_logit_drift": drift,
             "reason": reason}
 
 
-def check_backends(directory, path, backends=None, *, from_ir: bool = False) -> dict:
+def _top_drift(entry: dict, logits, upto: int) -> float:
+    """The largest drift of `logits` from the recorded top-5 logits over steps [0, upto)."""
+    drifts = [abs(float(logits[k][t]) - v) for k, step in enumerate(entry["top_logits"][:upto]) for t, v in step]
+    return float(np.max(drifts, initial=0.0))  # NaN-propagating, unlike max()
+
+
+def check_backends(directory, path, backends=None, *, from_ir: bool = False, against=None) -> dict:
     """`check` on each of `backends` (None: the one the goldens were recorded on), one report:
     every row names its backend, and it is OK when every backend's is."""
-    reports = [check(directory, path, backend=b, from_ir=from_ir) for b in backends or (None,)]
+    reports = [check(directory, path, backend=b, from_ir=from_ir, against=against) for b in backends or (None,)]
     rows = [{"backend": r["backend"], **row} for r in reports for row in r["results"]]
     return {**reports[0], "backend": ",".join(r["backend"] for r in reports), "ok": all(r["ok"] for r in reports),
             "results": rows}
 
 
-def check(directory, path, *, backend: str | None = None, from_ir: bool = False) -> dict:
+def _arithmetic(backend: str, config: dict, kv_type: str) -> tuple:
+    """What a run's numbers depend on besides the model: the engine, the inference precision,
+    the activations' quantization and the cache's element type."""
+    return (backend, config.get("INFERENCE_PRECISION_HINT", "f32"), dynamic_quantization(config), kv_type)
+
+
+def _peer_sides(recorded: tuple, checked: tuple) -> list[tuple[dict, str]]:
+    """The arithmetics whose drift the plugin's own run of the source model measures for a check
+    across arithmetics (`check`): each side that is OpenVINO CPU below f32 (`peer_for`'s rule),
+    as (configuration, cache type). None where the two are the same."""
+    if _arithmetic(*recorded) == _arithmetic(*checked):
+        return []
+    return [(config, kv) for backend, config, kv in (recorded, checked) if backend == "openvino"
+            and reduced_precision([kv], backend, config)]
+
+
+def _peer_noise(source: Path, sides, prompts: list[dict]) -> list[tuple[np.ndarray, int]]:
+    """Per prompt, the plugin's own drift: for each of `sides`, the source model on OpenVINO
+    CPU at that arithmetic (`Peer`) against the source at f32, on the recorded top-5 ids of each
+    step (the ids a check measures), up to the peer's first divergence from the f32 run (where
+    their inputs part). The sides' errors add up: (per-step error, last step measured)."""
+    from kvc.runtime.generate import greedy
+    from kvc.verify.compiled import reference_session
+    from kvc.verify.peer_drift import Peer
+
+    reference = reference_session(source, "openvino")
+    exact = [greedy(reference, e["ids"], len(e["tokens"])) for e in prompts]
+    del reference
+    out = [(np.zeros(len(e["tokens"])), len(e["tokens"]) - 1) for e in prompts]
+    for config, kv in sides:
+        peer = Peer(source, config, [kv])
+        for i, (entry, ref) in enumerate(zip(prompts, exact)):
+            run = peer.run(entry["ids"], len(entry["tokens"]))
+            div = first_divergence(ref.tokens, run.tokens)
+            errors = np.array([max(abs(float(run.logits[k][t]) - float(ref.logits[k][t])) for t, _ in step)
+                               for k, step in enumerate(entry["top_logits"])])
+            last = out[i][1] if div is None else min(out[i][1], div)
+            out[i] = (out[i][0] + errors, last)
+        del peer
+    return out
+
+
+def check(directory, path, *, backend: str | None = None, from_ir: bool = False, against=None) -> dict:
+    """The goldens at `path` against `directory` run on `backend` (module docstring).
+
+    Checked at the arithmetic that recorded them (numpy against numpy, bf16 blobs against
+    bf16 blobs), a run may drift by the fixed bound. Across arithmetics below f32 (goldens
+    recorded on numpy, checked on the CPU blobs at bf16, or the other way round), the drift is
+    the arithmetic's own, which grows with depth and with the prompt: two units in the last
+    place at the logits' magnitude refused correct directories of 19 of the zoo's 37 fixtures
+    (llama at 0.038 > 0.031, qwen2_moe at 1.18, when a token flipped). So the bound of each
+    prompt is also PEER_FACTOR x the plugin's own drift on it (`_peer_noise`: the source
+    model, recorded in the manifest or `against`, on OpenVINO CPU at that arithmetic against
+    itself at f32), as `kvc verify` judges such runs; over the same fixtures a correct run
+    drifted at most 1.73x it (bloom, 1024 tokens). A graph that selects (a TopK router) may flip
+    an expert where the plugin's own run does not, which moves its logits whatever the
+    arithmetic: at most a quarter of its prompts (at least one) may be past that bound, as in
+    `kvc verify` (`kvc.verify.peer_drift.few_routers_flipped`); correct runs were up to 27x
+    the peer's drift on one prompt (phimoe), never on two."""
+    from kvc.errors import UsageError
+    from kvc.verify.compiled import directory_selects
+    from kvc.verify.peer_drift import PEER_FACTOR
+
     data = load_goldens(path)
     backend = backend or data["backend"]
-    manifest = read_manifest(Path(directory))
-    check_files(Path(directory), manifest, sha256=True)
-    pipe, kv_type = _open(Path(directory), manifest, backend, from_ir)
-    atol = max(drift_bound(data, data["backend"], _recorded_config(data, manifest, from_ir)),
-               drift_bound(data, backend, backend_config(manifest, backend, from_ir=from_ir) or {}, kv_type))
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_files(directory, manifest, sha256=True)
+    vocab = vocab_of(manifest)
     for i, entry in enumerate(data["prompts"]):  # ids the model has (a recorded id past it was exit 1)
         beyond = [t for t in (*entry["ids"], *entry["tokens"], *(t for step in entry["top_logits"] for t, _ in step))
-                  if t >= pipe.vocab]
+                  if t >= vocab]
         if beyond:
             raise InvalidModelError("bad-goldens", str(path), f"prompt {i} holds token id {beyond[0]}, past the "
-                                    f"model's vocabulary", expected=f"ids below {pipe.vocab}", found=str(beyond[0]))
+                                    f"model's vocabulary", expected=f"ids below {vocab}", found=str(beyond[0]))
+    config, kv_type = backend_config(manifest, backend, from_ir=from_ir) or {}, _kv_type(manifest, backend)
+    recorded_config = _recorded_config(data, manifest, from_ir)
+    atol = max(drift_bound(data, data["backend"], recorded_config), drift_bound(data, backend, config, kv_type))
+    sides = _peer_sides((data["backend"], recorded_config, data["kv_element_type"]), (backend, config, kv_type))
+    noise = None
+    if sides:  # one engine in memory at a time: the source's runs before the pipeline opens
+        try:
+            source = Path(against) if against is not None else recorded_source(manifest, directory)
+        except UsageError as exc:
+            raise UsageError(f"goldens recorded on {data['backend']} checked on {backend}, at another arithmetic: "
+                             f"its drift is bounded by the plugin's own run of the source model, and {exc}") from None
+        noise = _peer_noise(source, sides, data["prompts"])
+    pipe, _ = _open(directory, manifest, backend, from_ir)
     rows = []
     for i, entry in enumerate(data["prompts"]):
         gen = pipe.generate(entry["ids"], len(entry["tokens"]), sampling=JUDGED)
-        rows.append({"prompt": i, "prompt_tokens": len(entry["ids"]), **judge_entry(entry, gen.tokens, gen.logits, atol)})
+        bound, peer = atol, None
+        if noise is not None:
+            div = first_divergence(entry["tokens"], gen.tokens)
+            errors, last = noise[i]
+            peer = float(np.max(errors[:min(last, len(errors) - 1 if div is None else div) + 1]))
+            bound = max(atol, PEER_FACTOR * peer)
+        row = {"prompt": i, "prompt_tokens": len(entry["ids"]), **judge_entry(entry, gen.tokens, gen.logits, bound),
+               "bound": bound}
+        if peer is not None:
+            row["peer_drift"] = peer
+            row["reason"] += f"; bound at least {PEER_FACTOR:g}x OpenVINO CPU's own drift on the source, {peer:.3g}"
+        rows.append(row)
+    del pipe
+    if noise is not None and directory_selects(directory, manifest):
+        _few_routers_flipped(rows)
     return {"goldens": str(path), "backend": backend, "recorded_with": data["openvino_version"],
             "ok": all(r["ok"] for r in rows), "results": rows}
+
+
+def _few_routers_flipped(rows: list[dict]) -> None:
+    """A graph that selects, checked across arithmetics (`check`): at most a quarter of the
+    prompts (at least one) may be past the plugin's own drift, by drift or by a flipped token,
+    never by a non-finite logit."""
+    beyond = [r for r in rows if not r["ok"] and "non-finite" not in r["reason"]]
+    allowed = max(1, len(rows) // 4)
+    if len(beyond) <= allowed:
+        for r in beyond:
+            r["ok"] = True
+            r["reason"] = (f"excused: a router may flip an expert the plugin's own run does not (at most {allowed} "
+                           f"of {len(rows)} prompts): {r['reason']}")
+    else:
+        for r in beyond:
+            r["reason"] += (f"; past the plugin's own drift on {len(beyond)} of {len(rows)} prompts: a router "
+                            f"flipping an expert excuses at most {allowed}")
