@@ -53,8 +53,8 @@ UNREAD_CHECKS = (("embedding", "embedding table"), ("weights", "weights"), ("exp
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None,
                 specials=(), filled: bool = True) -> list[Probe]:
-    """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (33 without,
-    at most P), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
+    """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (P - 1
+    without), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
     what fits), the generate models' probe; then prompts until every chunk model has run over a
     real past and every first-chunk model has run (`_model_probes`), each generating
     BULK_TOKENS: the last call's own token and one step that reads every row it wrote (with 8,
@@ -67,9 +67,13 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     F + B + 9, which also runs C over the rows of both (the CPU's default, 16 / 128 / first 128:
     7 and 265 tokens; a separate C + 9 probe ran on all three engines proving nothing the 265
     did not: `kvc compile` of the 250M model 15.6 -> 15.2 s, medians of three alternating runs
-    on a noisy machine). An unchunked prefill has one path, a padded prompt over no past, which
-    7 tokens would run again: on kvc's numpy runtime each run is a full P-row prefill (5 s for
-    the 250M model at P = 1024, half of an NPU compile's numpy check).
+    on a noisy machine). An unchunked prefill has one path, a padded prompt over no past, and
+    one probe: on kvc's numpy runtime each run is a full P-row prefill (5 s for the 250M model
+    at P = 1024, half of an NPU compile's numpy check), whatever the prompt. Its P - 1 tokens
+    reach every position but the last and leave a pad row before them: with 33 tokens, a
+    prefill model whose positions were clamped at 33 was published, the NPU's default prefill
+    (tests/mutation: `prefill_positions_clamped_33`; `prefill_pad_row_attended` is the pad
+    row's). Its last position is the generate models' first (the first step after it).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
@@ -113,8 +117,9 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     rng = np.random.default_rng(seed)
     cases = []
     short = min(plan.prompt, 7) if plan.chunk else min(plan.prompt, 33)
-    cases.append(Probe(_led_by(specials, rng.integers(1, vocab, short).tolist()),
-                       min(tokens, max_new_tokens(plan, short))))
+    opening = short if plan.chunk else max(1, plan.prompt - 1)
+    cases.append(Probe(_led_by(specials, rng.integers(1, vocab, opening).tolist()),
+                       min(tokens, max_new_tokens(plan, opening))))
     far = _far_probes(plan)
     for length in _model_probes(plan, [short]):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))

@@ -74,6 +74,12 @@ def chunk_of(model) -> int:
     return ids.get_partial_shape()[1].get_length()
 
 
+def unchunked_prefill(name, model) -> bool:
+    """The prefill model of a prompt at once: its mask spans its own rows alone (no past)."""
+    m = port(model, "attention_mask")
+    return name == "prefill" and m is not None and m.get_partial_shape()[1].get_length() == chunk_of(model)
+
+
 def consts(model, pattern):
     rx = re.compile(pattern)
     return [op for op in model.get_ops() if op.get_type_name() == "Constant" and rx.search(op.get_friendly_name())]
@@ -143,6 +149,27 @@ def gen_positions_clamped_to_P(name, model):
     if not generate(name) or port(model, "position_ids") is None:
         return 0
     return reroute(port(model, "position_ids"), lambda p: ops.minimum(p, i64(63)))
+
+
+@mutant
+def prefill_positions_clamped_33(name, model):
+    """the unchunked prefill model: positions clamped at 33 (a position table sized for 34).
+    Published while its only probe was 33 tokens (the NPU's default prefill)."""
+    if not unchunked_prefill(name, model) or port(model, "position_ids") is None:
+        return 0
+    return reroute(port(model, "position_ids"), lambda p: ops.minimum(p, i64(33)))
+
+
+@mutant
+def prefill_pad_row_attended(name, model):
+    """the unchunked prefill model: its first slot (a pad row of every shorter prompt) attended
+    by every row."""
+    if not unchunked_prefill(name, model):
+        return 0
+    m = port(model, "attention_mask")
+    row = np.zeros((1, m.get_partial_shape()[1].get_length()), np.int64)
+    row[0, 0] = 1
+    return reroute(m, lambda x: ops.maximum(x, i64(row)))
 
 
 @mutant

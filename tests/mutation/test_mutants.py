@@ -23,7 +23,10 @@ IR_CHECK = "the compiled pipeline does not reproduce"
 # (both mutants then change nothing a run can see); a bf16 host chunks by 16 after a first 16.
 CHUNKS = {"chunk_past_beyond_C_ignored": ("--prefill-chunk-size", "16"),
           "first_q_proj_one_row_1e2": ("--prefill-chunk-size", "16", "--prefill-first", "16"),
-          "chunk_past_middle_masked": ("--prefill-chunk-size", "16")}
+          "chunk_past_middle_masked": ("--prefill-chunk-size", "16"),
+          # the NPU's default prefill: the prompt at once
+          "prefill_positions_clamped_33": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
+          "prefill_pad_row_attended": ("--prefill-chunk-size", "0", "--prefill-first", "0")}
 
 REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_positions_clamped_to_P", "llama", "ir", "CPU", IR_CHECK),
@@ -33,6 +36,10 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     # past slots no probe from position 0 fills: published while far probes started over empty rows
     ("gen_past_middle_masked", "llama", "ir", "CPU", IR_CHECK),
     ("chunk_past_middle_masked", "llama", "ir", "CPU", IR_CHECK),
+    # an unchunked prefill's positions past 33: published while its one probe was 33 tokens
+    ("prefill_positions_clamped_33", "llama", "ir", "CPU", IR_CHECK),
+    ("prefill_positions_clamped_33", "llama", "blob", "NPU", "the NPU blobs do not reproduce the static IR"),
+    ("prefill_pad_row_attended", "llama", "ir", "CPU", IR_CHECK),
     ("window_off_by_one", "mistral", "ir", "CPU", IR_CHECK),
     ("mask_positions_past_from_one", "starcoder2", "ir", "CPU", IR_CHECK),
     ("gen_o_proj_1e3", "llama", "ir", "CPU", IR_CHECK),
