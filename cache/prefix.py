@@ -18,7 +18,8 @@ docs/source/features/kvcache.md):
   produces another. A block takes the highest priority of its tokens (a token no range covers
   has the default). A priority with a duration lapses to the default once the duration passes
   without the block being used; a block that is hit or stored again is used.
-* Every stored, removed and re-prioritized block is an event (`kvc.cache.events`).
+* Every stored, removed and re-prioritized block of a chain is an event (`kvc.cache.events`);
+  chunk-reuse blocks are not.
 * For chunk-level reuse (`kvc.cache.chunks`) every block is also indexed by its tokens alone
   (`content_key`), with the position it was computed at and its origin (the sequence that
   stored it and its start, so blocks stored together are known to be contiguous). Blocks
@@ -271,10 +272,16 @@ class PrefixCache:
         """Cache the full blocks of `tokens[start:count]` (`start` a block boundary) for
         chunk-level reuse only: their rows were computed after rows reused from another
         context, so no chained key may name them. A block whose tokens are cached already is
-        skipped. Returns the number of blocks added."""
+        skipped; the request's own exact blocks (the chain of `tokens[:start]`) are never
+        evicted for them. They are no events: a content key names no prefix, and a consumer
+        of the stream (TensorRT-LLM's KVCacheEvent: a stored block without a parent begins a
+        sequence) would take each for a first block. Returns the number of blocks added."""
         B, now, added = self.block_size, self.clock(), 0
         self.sequences += 1
-        stored = []
+        chain, parent = set(), None
+        for at in range(0, start - B + 1, B):
+            parent = block_key(parent, tokens[at:at + B])
+            chain.add(parent)
         for at in range(start, count - B + 1, B):
             span = tuple(int(t) for t in tokens[at:at + B])
             key = content_key(span)
@@ -282,16 +289,13 @@ class PrefixCache:
                 continue
             rows = rows_of(at, at + B)
             nbytes = sum(a.nbytes for a in rows.values())
-            if not self._make_room(nbytes, set()):
+            if not self._make_room(nbytes, chain):
                 break
             block = Block(key, None, span, rows, nbytes, DEFAULT_PRIORITY, None, now,
                           origin=(self.sequences, at), exact=False)
             self._add(block)
-            stored.append(StoredBlock(key, span, DEFAULT_PRIORITY))
             self.stats.stored_blocks += 1
             added += 1
-        if stored:
-            self.events.emit("stored", parent_hash=None, blocks=tuple(stored))
         return added
 
     def _add(self, block: Block) -> None:
@@ -366,7 +370,8 @@ class PrefixCache:
         if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children -= 1
         self.stats.evicted_blocks += 1
-        self.events.emit("removed", block_hashes=(block.key,))
+        if block.exact:  # a chunk-reuse block was no event (`store_approximate`)
+            self.events.emit("removed", block_hashes=(block.key,))
 
     def clear(self) -> None:
         """Evict every block (leaves first, so each removal event names a leaf)."""

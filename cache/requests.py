@@ -62,6 +62,11 @@ def _int(value, what: str, low: int, high: int = (1 << 63) - 1) -> int:
 def _name(value, what: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise UsageError(f"{what} must be a non-empty string or an integer, found {json.dumps(value)[:60]}")
+    try:
+        str(value).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): printing the results failed after the run
+        raise UsageError(f"{what} must be text UTF-8 can hold, found {json.dumps(value)[:60]} (a lone "
+                         f"surrogate)") from None
     return str(value)
 
 
@@ -136,7 +141,7 @@ def parse_line(obj, line: int) -> Request | FinishSession:
 def parse_requests(text: str, source: str = "<requests>") -> list[Request | FinishSession]:
     """Every line of a workload, validated; the first problem is an error naming its line."""
     entries, ids = [], {}
-    for number, raw in enumerate(text.splitlines(), 1):
+    for number, raw in enumerate(text.split("\n"), 1):  # JSON Lines: only \n ends a line (U+2028 may be in a string)
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue
@@ -144,14 +149,19 @@ def parse_requests(text: str, source: str = "<requests>") -> list[Request | Fini
             if len(stripped) > MAX_LINE:
                 raise UsageError(f"the line is {len(stripped)} characters long (at most {MAX_LINE})")
             try:
-                obj = json.loads(stripped, parse_constant=_no_constant)
+                obj = json.loads(stripped, parse_constant=_no_constant, object_pairs_hook=_unique_fields)
             except (ValueError, RecursionError) as exc:
                 raise UsageError(f"not JSON: {str(exc)[:200]}") from None
             entry = parse_line(obj, number)
             if isinstance(entry, Request):
                 if entry.id in ids:
-                    raise UsageError(f"request id {entry.id!r} was already used on line {ids[entry.id]}")
-                ids[entry.id] = number
+                    given, line = ids[entry.id]
+                    first = f"the request on line {line}" + ("" if given else " (its line number: it has no id)")
+                    if "id" in obj:
+                        raise UsageError(f"request id {entry.id!r} is already the id of {first}")
+                    raise UsageError(f"the request has no id, and its default, its line number {entry.id!r}, is "
+                                     f"already the id of {first}: give it one")
+                ids[entry.id] = ("id" in obj, number)
             entries.append(entry)
         except UsageError as exc:
             raise UsageError(f"{source}:{number}: {exc}") from None
@@ -164,9 +174,24 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _unique_fields(pairs) -> dict:
+    """A JSON object whose fields are each given once (the last of two silently won)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"field {key!r} is given twice")
+        out[key] = value
+    return out
+
+
 def read_requests(path: str | Path) -> list[Request | FinishSession]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = Path(path).read_bytes()
+    except OSError as exc:
         raise UsageError(f"{path}: cannot read the requests: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
+        raise UsageError(f"{path}:{line}: not UTF-8: byte 0x{data[exc.start]:02x} at column {column}") from None
     return parse_requests(text, str(path))

@@ -12,7 +12,10 @@ Rules:
   always computed: its logits choose the first new token. Restoring needs a chunked prefill
   (as NPUW's prefix caching does); a prefix cache over an unchunked pipeline is refused.
 * Prefix cache: the leading blocks of the prompt that are cached. After the request, every
-  full block of prompt + generated tokens whose rows were computed is stored.
+  full block of prompt + generated tokens whose rows were computed is stored; a generated
+  token's rows are its decode step's, which a prefill of the same tokens computes on another
+  model: restored, they agree with an uncached run to the arithmetic's rounding, not bit for
+  bit (docs/kv-cache.md), as a session's turn does.
 * Chat session (openvino.genai's start_chat/finish_chat; seed 000's aligning of the KV cache
   with the history): the session keeps the rows of its last sequence (prompt and generated
   tokens). A turn gives the whole history; the rows of its longest common prefix with the
@@ -24,7 +27,8 @@ Rules:
 * Chunk reuse (opt-in, `kvc.cache.chunks`): after the exact prefix, blocks cached anywhere
   with the same tokens are moved here and placed, seams repaired; the request reports them
   as `placed_tokens` and its rows from the first placed block on are stored for chunk reuse
-  only.
+  only. A session keeps where its rows stop being exact (`ChatSession.exact`): a later turn
+  restoring rows past it counts them as placed and stores them for chunk reuse only.
 * Everything a request could be refused for is checked before the cache or a session changes.
 * TTFT (`prefill_seconds`) includes looking the blocks up and restoring them; storing blocks
   after the request does not delay its first token and is not in it.
@@ -48,6 +52,7 @@ class ChatSession:
     name: str
     tokens: list[int] = field(default_factory=list)  # the sequence whose KV rows are kept
     rows: dict[str, np.ndarray] = field(default_factory=dict)
+    exact: int = 0  # its leading rows computed without chunk reuse; the rest are approximate
 
 
 def common_prefix(a, b) -> int:
@@ -117,11 +122,12 @@ class CachedPipeline:
         lcp = min(common_prefix(chat.tokens, prompt), limit) if chat is not None else 0
         if self.cache is not None:
             self.cache.record_lookup(n, hit)
-        reuse, after = 0, None
+        reuse, after, inherited = 0, None, None  # inherited: where the restored rows stop being exact
         if chat is not None and lcp > 0 and lcp >= hit:
             pipe.restore_rows({spec.input: take_rows(chat.rows[spec.input], spec.seq_axis, 0, lcp)
                                for spec in pipe.kv}, 0)
             reuse = lcp
+            inherited = chat.exact if chat.exact < lcp else None
         elif hit:
             for i, block in enumerate(blocks):
                 pipe.restore_rows(block.rows, i * self.cache.block_size)
@@ -138,15 +144,18 @@ class CachedPipeline:
         gen = pipe.generate(prompt, new_tokens, reuse=reuse, placed=tuple(plan.placed) if plan else (),
                             sampling=sampling, on_token=on_token)
         gen.prefill_seconds += restoring
+        if inherited is not None:  # a session's rows computed after an earlier turn's placed rows
+            gen.placed_tokens += reuse - inherited
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
+        exact = min([gen.kv_rows, *(x for x in (inherited, plan.first if plan else None) if x is not None)])
         if self.cache is not None:
-            exact = gen.kv_rows if plan is None or plan.first is None else plan.first
             self.cache.store(sequence, exact, pipe.copy_rows, retention, n)
             if exact < gen.kv_rows:
                 self.cache.store_approximate(sequence, exact, gen.kv_rows, pipe.copy_rows)
         if chat is not None:
             chat.tokens = [int(t) for t in sequence]
             chat.rows = pipe.copy_rows(0, gen.kv_rows)
+            chat.exact = exact
         return gen
 
 

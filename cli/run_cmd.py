@@ -112,6 +112,10 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         raise click.UsageError("--events needs --prefix-cache (events describe its blocks)")
     if events_path is not None and requests_path is not None and events_path.resolve() == requests_path.resolve():
         raise click.UsageError(f"--events {events_path} is the --requests file: writing the events would replace it")
+    if events_path is not None:  # before the requests run, not after (a path that cannot be written lost the run)
+        from kvc.ir.writer import check_writable
+
+        check_writable(events_path, "KV events")
     if chunk_reuse and not prefix_cache:
         raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
     if chunk_repair is not None and not chunk_reuse:

@@ -127,6 +127,50 @@ def test_approximate_rows_are_never_stored_under_a_chained_key():
     assert [np.array_equal(a, b) for a, b in zip(again.logits, plain.logits)] == [True] * 3
 
 
+def test_a_session_turn_over_placed_rows_counts_them_and_stores_none_under_a_chained_key():
+    """A chat session keeps the rows of its last turn, placed ones too: the next turn restored
+    them and reported 0 approximate tokens, and stored them under chained keys, where a later
+    request without a session hit them (cached 48, approximate 0, other tokens than its
+    uncached run)."""
+    pipe = served("llama", repair=0)
+    pipe.generate(FIRST, 1)
+    pipe.start_chat("s")
+    history = tokens(3, C) + DOC + tokens(4, 3)
+    turn1 = pipe.generate(history, 2, session="s")
+    assert turn1.placed_tokens == 2 * C
+    turn2 = pipe.generate(history + turn1.tokens[:1] + [5, 6, 7], 2, session="s")
+    assert turn2.cached_tokens > 2 * C and turn2.placed_tokens >= 2 * C  # the placed rows it restored count
+    plain = history + turn1.tokens[:1] + [5, 6, 7, 8]
+    exact_only = CachedPipeline(pipe.pipeline, pipe.cache)
+    again, alone = exact_only.generate(plain, 3), pipeline("llama").generate(plain, 3)
+    assert again.cached_tokens == C and again.placed_tokens == 0  # the first block alone is exact
+    assert [np.array_equal(a, b) for a, b in zip(again.logits, alone.logits)] == [True] * 3
+
+
+def test_chunk_reuse_blocks_are_no_events_and_never_evict_the_requests_own_blocks():
+    """A chunk-reuse block was a `stored` event without a parent (a first block, to a consumer
+    of TensorRT-LLM's stream) under a key that is no chain's, and storing it evicted the block
+    the same request had just stored."""
+    mover = calibrate(pipeline("llama"), model_config(fixtures.path("llama")))
+    pipe = CachedPipeline(pipeline("llama"), PrefixCache(block_size=C, max_blocks=3, event_buffer_size=100),
+                          ChunkReuse(mover, 0))
+    pipe.generate(FIRST, 1)
+    events = [e.to_dict() for e in pipe.cache.get_latest_events()]
+    first = tokens(10, C)
+    pipe.generate(first + DOC + tokens(8, 2 * C) + [1], 1)  # DOC placed, two blocks computed after it
+    events += [e.to_dict() for e in pipe.cache.get_latest_events()]
+    own = pipe.cache.lookup(first + [0], C)
+    assert len(own) == 1 and own[0].exact  # its own first block stayed
+    chained = {k for k, b in pipe.cache.blocks.items() if b.exact}
+    replayed = set()
+    for e in events:
+        if e["type"] == "stored":
+            replayed |= {b["block_hash"] for b in e["blocks"]}
+        elif e["type"] == "removed":
+            replayed -= set(e["block_hashes"])
+    assert replayed == chained and any(not b.exact for b in pipe.cache.blocks.values())
+
+
 def test_blocks_computed_after_placed_rows_are_reusable_as_chunks():
     """A new document that first appears after a reused one is stored for chunk reuse, so
     the next prompt with it reuses it."""

@@ -68,8 +68,13 @@ def test_replay_reports_requests_cache_and_events(chunked, tmp_path):
     ('{"prompt_ids": [1, 2], "retention": [{"priority": -3}]}', r"w.jsonl:2: retention\[0\].priority must be"),
     ('{"prompt_ids": [1], "colour": 1}', "w.jsonl:2: unknown field 'colour'"),
     ('{"prompt_ids": [1], "prompt": "x"}', "w.jsonl:2: give exactly one of 'prompt_ids' and 'prompt'"),
-    ('{"id": "a", "prompt_ids": [1]}', "w.jsonl:2: request id 'a' was already used on line 1"),
+    ('{"id": "a", "prompt_ids": [1]}', "w.jsonl:2: request id 'a' is already the id of the request on line 1"),
     ('[1, 2]', "w.jsonl:2: expected a JSON object"),
+    # the last of two silently won
+    ('{"prompt_ids": [1], "prompt_ids": [1, 2, 3]}', "w.jsonl:2: not JSON: field 'prompt_ids' is given twice"),
+    # a lone surrogate ran every request, then failed printing the table (exit 1)
+    ('{"id": "\\ud800", "prompt_ids": [1]}', "w.jsonl:2: 'id' must be text UTF-8 can hold"),
+    ('{"session": "\\udfff", "prompt_ids": [1]}', "w.jsonl:2: 'session' must be text UTF-8 can hold"),
 ])
 def test_bad_workload_lines_are_named_and_nothing_runs(chunked, tmp_path, line, message):
     path = workload(tmp_path / "w.jsonl", [{"id": "a", "prompt_ids": [1, 2, 3]}, line])
@@ -77,6 +82,31 @@ def test_bad_workload_lines_are_named_and_nothing_runs(chunked, tmp_path, line, 
     assert "TTFT" not in result.output and '"requests"' not in result.output
     with pytest.raises(UsageError, match=message):
         parse_requests(path.read_text(), "w.jsonl")
+
+
+def test_a_line_is_what_json_lines_says_and_an_id_is_never_taken_twice(chunked, tmp_path):
+    """Only \\n ends a line: a string holding U+2028 or U+0085 (which json.dumps writes with
+    ensure_ascii=False) was cut in two by str.splitlines. A request without an id takes its line
+    number, which an earlier request's explicit id may hold: the error says so (it said the
+    user had used the id twice). A byte that is not UTF-8 is named with its line."""
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"id": "a\u2028b\u0085c", "prompt_ids": [1, 2, 3]}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    data = json.loads(kvc("run", chunked, "--requests", path, "--json").output)
+    assert [r["id"] for r in data["requests"]] == ["a\u2028b\u0085c"]
+    with pytest.raises(UsageError, match="w.jsonl:2: the request has no id, and its default, its line number '2', "
+                                         "is already the id of the request on line 1: give it one"):
+        parse_requests('{"id": "2", "prompt_ids": [1]}\n{"prompt_ids": [1]}', "w.jsonl")
+    path.write_bytes(b'{"prompt_ids": [1]}\n{"prompt": "ab\xffc"}\n')
+    assert f"{path}:2: not UTF-8: byte 0xff at column 15" in kvc("run", chunked, "--requests", path, code=2).output
+
+
+def test_an_events_path_that_cannot_be_written_is_refused_before_the_requests_run(chunked, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = workload(tmp_path / "w.jsonl", [{"prompt_ids": [1, 2, 3]}])
+    out = kvc("run", chunked, "--requests", path, "--prefix-cache", "--events", blocker / "e.jsonl", code=7).output
+    assert f"cannot write the KV events {blocker / 'e.jsonl'}" in out and "TTFT" not in out
 
 
 def test_runtime_errors_name_the_request_and_line(chunked, tmp_path):
