@@ -237,6 +237,12 @@ ROUNDED_CACHE_NRMSE = {"f16": 1e-3, "bf16": 5e-3}
 ROUNDED_CACHE_STEP = {"f16": 0.01, "bf16": 0.05}
 
 
+def rounded_cache_only(kv_element_types, backend: str, config: dict | None) -> bool:
+    """Whether only a cache stored at f16 or bf16 moves a run: f32 arithmetic (kvc's NPU blobs on
+    NPUW's CPU backend, exact CPU blobs) over a rounded cache, not int8."""
+    return _rounded_cache_only(kv_element_types, False, backend, config) is not None
+
+
 def _rounded_cache_only(kv_element_types, selects: bool, backend: str, config: dict | None) -> str | None:
     """The cache type whose rounding alone moves a run in f32 arithmetic (`ROUNDED_CACHE_NRMSE`;
     the coarser where there are two), else None."""
@@ -251,8 +257,8 @@ def nrmse_limit(kv_element_types, selects: bool = False, backend: str = "numpy",
     `selects` (a TopK) and the run on `backend` with `config` computes below f32
     (`reduced_arithmetic`); narrower where only the cache's rounding moves it
     (`ROUNDED_CACHE_NRMSE`)."""
-    if selects and reduced_arithmetic(backend, config):
-        return SELECTING_NRMSE
+    if selects and (reduced_arithmetic(backend, config) or rounded_cache_only(kv_element_types, backend, config)):
+        return SELECTING_NRMSE  # over a rounded cache, for the probes `few_past_rounding` lets take it
     rounded = _rounded_cache_only(kv_element_types, selects, backend, config)
     if rounded is not None:
         return ROUNDED_CACHE_NRMSE[rounded]
@@ -263,9 +269,11 @@ def step_limit(kv_element_types=(), selects: bool = False, backend: str = "numpy
                config: dict | None = None) -> float | None:
     """The `step_error` bound of a reduced-precision run: STEP_ERROR, narrower where only the
     cache's rounding moves it (`ROUNDED_CACHE_STEP`), or none for a graph that `selects` run
-    below f32 (`reduced_arithmetic`) or with an int8 KV cache, where a flipped expert moves a
-    whole step."""
-    moves = reduced_arithmetic(backend, config) or int8_kv(kv_element_types)
+    below f32 (`reduced_arithmetic`), over a rounded cache or with an int8 KV cache, where a
+    flipped expert moves a whole step (over a rounded cache in f32 arithmetic, for at most a
+    quarter of the probes: `kvc.verify.compiled.few_past_rounding`)."""
+    moves = (reduced_arithmetic(backend, config) or int8_kv(kv_element_types)
+             or rounded_cache_only(kv_element_types, backend, config))
     if selects and moves:
         return None
     rounded = _rounded_cache_only(kv_element_types, selects, backend, config)

@@ -349,6 +349,48 @@ def blob_policy(kv_element_types, selecting: bool, backend: str, config: dict | 
             "against": "the IR's"}
 
 
+def rounding_policy(kv_element_types, selecting: bool, backend: str, config: dict | None) -> dict | None:
+    """For a graph that selects, run in f32 arithmetic over a cache rounded to f16 or bf16
+    (kvc's NPU blobs on NPUW's CPU backend), the bounds of the cache's rounding alone
+    (`blob_policy` of a graph that does not select: ROUNDED_CACHE_NRMSE, ROUNDED_CACHE_STEP),
+    which `blob_policy` widens for it to a router's (SELECTING_NRMSE, no step bound): a router
+    the rounding turns to another expert moves a whole token (correct NPU blobs of mixtral, on
+    `kvc verify`'s 1024-token prompt, a step 0.275 of the logits' spread). `few_past_rounding` keeps that the
+    exception. None elsewhere."""
+    from kvc.runtime.compare import rounded_cache_only
+
+    if not selecting or not rounded_cache_only(kv_element_types, backend, config):
+        return None
+    return blob_policy(kv_element_types, False, backend, config)
+
+
+def few_past_rounding(rows: list[dict], narrow: list[dict]) -> list[dict]:
+    """The rows of one blob check (or one backend of `kvc verify`) of a graph that selects, run
+    over a rounded cache in f32 arithmetic, and each one's verdict by the rounding's own bounds
+    (`rounding_policy`). Only a router the rounding turned may take the wide bounds: at most a
+    quarter of the probes (at least one) past the rounding's bounds, as `few_routers_flipped`
+    allows below f32. Correct NPU blobs of the zoo's ten mixtures of experts were within the
+    rounding's bounds on every probe (NRMSE at most 0.00073 against 1e-3, qwen2_moe's 1023-token
+    probe at P 1024); a qwen3_moe generate blob with layer 1's o_proj 10% too large (NRMSE
+    0.0065-0.0086, 200x a correct blob's) passed the wide bounds on every probe and was
+    published."""
+    beyond = [i for i, (row, n) in enumerate(zip(rows, narrow)) if row["ok"] and not n["ok"]]
+    allowed = max(1, len(rows) // 4)
+    for i, (row, n) in enumerate(zip(rows, narrow)):
+        if i not in beyond:
+            row["reason"] = n["reason"] if row["ok"] else row["reason"]
+        elif len(beyond) > allowed:
+            row["ok"] = False
+            row["reason"] = (f"past the bounds of the cache's rounding on {len(beyond)} of {len(rows)} probes "
+                             f"({n['reason']}): a router the rounding turns to another expert excuses at most "
+                             f"{allowed}; {row['reason']}")
+        else:
+            row["reason"] = (f"{row['reason']}, a router's bounds: past the cache's rounding's ({n['reason']}), "
+                             f"which a router the rounding turns to another expert may be on {allowed} of "
+                             f"{len(rows)} probes")
+    return rows
+
+
 def judge_by(peer, exact, got, prompt, kv, selecting: bool, policy: dict) -> dict:
     """`judge_run`'s row for `got` against `exact` by `policy`; with a `peer`
     (`kvc.verify.peer_drift`), by the bounds its drift on `prompt` sets."""
@@ -387,6 +429,7 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
     config = manifest["models"]["prefill"]["blobs"][device]["import_config"]
     kv_types = pipe.plan.kv_element_types
     policy = blob_policy(kv_types, selecting, backend, config)
+    narrow_policy, narrow = rounding_policy(kv_types, selecting, backend, config), []
     peer = peer_for(source, backend, config, kv_types) if ir_gens is not None else None
     if peer is not None:
         peer.prepare([probe._replace(new_tokens=len(exact.tokens)) for probe, exact in zip(cases, ir_gens)])
@@ -423,12 +466,16 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         if ir_gens is not None:
             got.cache = stored_rows(pipe, got.kv_rows, got.origin)
             row.update(judge_by(peer, ir_gens[i], got, probe.prompt, pipe.plan.kv, selecting, policy))
+            if narrow_policy is not None:
+                narrow.append(judge_run(ir_gens[i], got, pipe.plan.kv, **narrow_policy))
         else:
             finite = not count_nonfinite(got.logits)
             row.update(ok=finite, reason="finite logits" if finite else "non-finite logits")
         rows.append(row)
     if selecting and peer is not None:
         rows = few_routers_flipped(rows)
+    if narrow:
+        rows = few_past_rounding(rows, narrow)
     return rows, serving(pipe) if keep else None
 
 
@@ -552,7 +599,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     # One engine in memory at a time, as in the compile: the source's runs first, then each
     # backend's pipeline, a peer's runs made before its backend's pipeline is opened.
     model = load(source)  # read once: the reference's, and where its routers are (kvc.verify.experts)
-    experts = experts_of(model) if "numpy" in backends else None
+    experts = experts_of(model)
     ref = reference_session(source if reference_backend == "onnxruntime" else model, reference_backend)
     del model
     references = [source_probe(ref, probe) for probe in cases]
@@ -562,6 +609,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         config, widened = configs[backend], backend == "numpy" and exact
         against_ir = ir_runs is not None  # as the compile's blob check, rows too
         exacts = ir_runs if against_ir else references
+        narrow_policy = rounding_policy(kv_types, selecting, backend, config) if not widened else None
         if against_ir:
             policy = blob_policy(kv_types, selecting, backend, config)
         else:
@@ -577,7 +625,9 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if peer is not None:
             peer.prepare([probe._replace(new_tokens=len(run.tokens)) for probe, run in zip(cases, exacts)])
         pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=widened)  # files checked above
-        runs, judged = [], []
+        runs, judged, narrow = [], [], []
+        if narrow_policy is not None and not against_ir:
+            narrow_policy = {**narrow_policy, "against": "the source model's", "row_bounds": None}
         for i, probe in enumerate(cases):
             got = run_probe(pipe, probe)
             if backend == "numpy":  # the cache check reads rows as kvc's interpreter reads them
@@ -587,14 +637,22 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             runs.append(got)
             judged.append({"backend": backend, "prompt": i, **probe_row(probe),
                            **judge_by(peer, exacts[i], got, probe.prompt, plan.kv, selecting, policy)})
+            if narrow_policy is not None:
+                narrow.append(judge_run(exacts[i], got, plan.kv, **narrow_policy))
+        if narrow:
+            judged = few_past_rounding(judged, narrow)
         rows += few_routers_flipped(judged, excuse=None) if selecting and peer is not None else judged
         del pipe
         if backend == "numpy":
             ir_runs = runs
     unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
     unread["copies"] = check_copies(source, directory, manifest)
-    if experts is not None:  # every expert's wiring, as the compile proves it, on the numpy backend
+    if experts is not None and "numpy" in backends:  # every expert's wiring, as the compile proves it
         unread["experts"] = _forced_experts(source, directory, manifest, cases, experts, reference_backend)
+    elif experts is not None:  # said, not left out in silence (`--backends npu` dropped it unsaid)
+        unread["experts"] = {"ok": True, "checked": False,
+                             "reason": "not checked: every expert's wiring is proved on the numpy backend, which "
+                                       "--backends leaves out (the probes ran the experts their routers chose)"}
     return {"directory": str(directory), "against": str(source), "against_recorded_source": is_recorded_source,
             "reference_backend": reference_backend, "backend_configs": configs, **unread,
             "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}

@@ -4,6 +4,7 @@ configuration, and failures that reach the user as the errors kvc raises in-proc
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 

@@ -170,6 +170,9 @@ def test_kvc_verify_runs_the_forced_check(tmp_path, monkeypatch):
     kvc("compile", source, "-o", clean, *SMALL)
     assert "experts: every router forced" in kvc("verify", clean, "--backends", "numpy", "--max-new-tokens",
                                                 "2").output
+    # without the numpy backend the check is not run, and the output says so (it said nothing)
+    bare = kvc("verify", out, "--backends", "openvino", "--max-new-tokens", "2").output
+    assert "experts: not checked: every expert's wiring is proved on the numpy backend" in bare
 
 
 @register_pass

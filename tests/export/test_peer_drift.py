@@ -241,3 +241,20 @@ def test_the_peer_computes_as_the_blobs_do_and_takes_nothing_else_from_the_manif
                 "WEIGHTS_PATH": "weights.bin", "CACHE_MODE": "OPTIMIZE_SIZE"}
     assert Peer(fixtures.path("llama"), recorded, ["bf16"]).config == {
         "INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32", "KV_CACHE_PRECISION": "bf16"}
+
+
+def test_a_router_over_a_rounded_cache_may_leave_the_roundings_bounds_on_a_quarter_of_its_probes():
+    from kvc.verify.compiled import few_past_rounding
+
+    def rows(*oks):
+        return [{"ok": ok, "reason": f"wide {i}"} for i, ok in enumerate(oks)]
+
+    narrow = [{"ok": ok, "reason": f"narrow {i}"} for i, ok in enumerate((True, False, True, True))]
+    one = few_past_rounding(rows(True, True, True, True), narrow)
+    assert all(r["ok"] for r in one) and one[0]["reason"] == "narrow 0"  # within the rounding: its reason
+    assert "a router's bounds: past the cache's rounding's (narrow 1)" in one[1]["reason"]
+    narrow[2]["ok"] = False
+    two = few_past_rounding(rows(True, True, True, True), narrow)
+    assert [r["ok"] for r in two] == [True, False, False, True] and "on 2 of 4 probes" in two[1]["reason"]
+    failed = few_past_rounding(rows(False, True, True, True), narrow)  # past the wide bounds: failed as it was
+    assert failed[0]["reason"] == "wide 0" and not failed[0]["ok"]

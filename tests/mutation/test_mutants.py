@@ -201,3 +201,18 @@ def test_the_probe_a_routers_flip_excuses_stays_near_the_plugins_own_drift(tmp_p
     assert applied.edits and "a router flipping an expert excuses" in result.output
     monkeypatch.setattr(peer_drift.few_routers_flipped, "__defaults__", (float("inf"),))
     kvc(*args)  # one probe excused without a limit
+
+
+def test_a_router_over_a_rounded_cache_keeps_the_roundings_bounds_on_most_probes(tmp_path, monkeypatch):
+    """qwen3_moe on the NPU (f32 arithmetic over an f16 cache): a generate blob with layer 1's
+    o_proj 10% too large (NRMSE 0.0065-0.0086, 200x a correct blob's) passed the fixed bounds a
+    router kept (NRMSE 0.01, step 0.25) on every probe and was published. Only a quarter of the
+    probes may now leave the rounding's own bounds (`few_past_rounding`)."""
+    from kvc.verify import compiled
+
+    applied = apply("gen_o_proj_1e1", monkeypatch.setattr, monkeypatch.setenv, "blob")
+    args = ("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "out", *SMALL, "--device", "NPU")
+    result = kvc(*args, code=4)
+    assert applied.edits and "past the bounds of the cache's rounding on" in result.output
+    monkeypatch.setattr(compiled, "few_past_rounding", lambda rows, narrow: rows)
+    kvc(*args)  # what a router's bounds alone publish

@@ -127,19 +127,21 @@ def put_back_the_unchunked_prefill_bug(monkeypatch) -> None:
 
 
 def unchunked_int8_probe(name: str, response: int):
-    """Compile's probe through an unchunked int8 pipeline on kvc's runtime and through the
-    source on OpenVINO CPU: (the plan's KV specs, the reference, the run), each with its cache."""
+    """The compile's first probe of an unchunked prefill as it was before 2026-11-29 (33 tokens;
+    P - 1 since), through an unchunked int8 pipeline on kvc's runtime and through the source on
+    OpenVINO CPU: (the plan's KV specs, the reference, the run), each with its cache. The tests
+    that use it show a check refusing what that probe's logits alone passed."""
     from kvc.runtime.session import OpenVINOSession
+    from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.cache_rows import held_rows, source_run
-    from kvc.verify.compiled import probe_cases
 
     sm = build_static(ir.load(fixtures.path(name)),
                       StaticOptions(P, response, prefill_chunk_size=0, kv_precision="i8"), use_env=False)
     pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
                           {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
     vocab = sm.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
-    short = probe_cases(sm.plan.lengths, vocab)[0]  # the generate models' probe; the others decode alone
-    prompt, n = short.prompt, short.new_tokens
+    prompt = np.random.default_rng(0).integers(1, vocab, min(P, 33)).tolist()
+    n = min(8, max_new_tokens(sm.plan.lengths, len(prompt)))
     ref, got = source_run(OpenVINOSession(ir.load(fixtures.path(name))), prompt, n), pipe.generate(prompt, n)
     got.cache = held_rows(pipe, got.kv_rows)
     return sm.plan.kv, ref, got
