@@ -61,8 +61,9 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens whatever tokens come.")
 @click.option("--stream/--no-stream", default=None,
               help="Print the text as it is generated (default: on a terminal, for text prompts).")
-@click.option("--backend", type=click.Choice(["numpy", "openvino", "npu"]), default="openvino", show_default=True,
-              help="numpy: kvc's interpreter; openvino: CPU; npu: the NPU plugin (NPUW on CPU without an NPU).")
+@click.option("--backend", type=click.Choice(["numpy", "openvino", "npu"]), default=None,
+              help="numpy: kvc's interpreter; openvino: CPU; npu: the NPU plugin (NPUW on CPU without an NPU). "
+                   "Default: openvino where OUT has CPU blobs (or is yet to be compiled), else npu.")
 @click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
 @click.option("--check", is_flag=True,
               help="Check every file's sha256 against the manifest first (sizes are always checked).")
@@ -123,6 +124,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
     if stream and (text is None or as_json):
         raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+    backend = backend or default_backend(out)
     started = time.perf_counter()
     pipeline, compiled = compile_if_needed(out, source, force, backend, from_ir, check)
     load_seconds = time.perf_counter() - started
@@ -160,6 +162,18 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         if decoded is not None:
             click.echo(f"text: {printable(decoded)}")
     click.echo(metrics_line(metrics, backend))
+
+
+def default_backend(out: Path) -> str:
+    """The backend `kvc run` serves OUT on unless told: openvino where OUT has CPU blobs (or
+    does not exist yet: --compile-from compiles it for the CPU), else npu (an NPU-only
+    directory ran on openvino from its IR, the blobs never read)."""
+    from kvc.export.manifest import read_manifest
+
+    if not (out / "manifest.json").is_file():
+        return "openvino"
+    blobs = read_manifest(out)["models"]["prefill"]["blobs"]
+    return "openvino" if "CPU" in blobs or "NPU" not in blobs else "npu"
 
 
 def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str, from_ir: bool, check: bool = False):

@@ -28,14 +28,15 @@ def _backends(text: str) -> tuple[str, ...]:
 @click.option("--backends", default=None,
               help="Comma-separated: numpy,openvino,npu. Default: numpy and the backend of each device OUT "
                    "has blobs for (openvino for CPU, npu for NPU; openvino with --from-ir); with --goldens, the "
-                   "backend they were recorded on; with --record, numpy.")
+                   "backend they were recorded on; with --record, the first device's (the blobs `kvc run` serves).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSON list of token-id lists (default: prompts of 1, P/2 and P tokens).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--reference", type=click.Choice(["openvino", "numpy"]), default="openvino", show_default=True,
               help="Engine that runs the original model.")
 @click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write goldens (tokens and top logits) from the first backend to this file.")
+              help="Write goldens (tokens and top logits) to this file, from the first of --backends (default: the "
+                   "blobs of OUT's first device, what kvc run serves).")
 @click.option("--goldens", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Check the compiled pipeline against a goldens file written by --record.")
 @click.option("--from-ir", is_flag=True, help="Compile the IR instead of importing blobs.")
@@ -70,12 +71,15 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
             manifest = read_manifest(out)
             vocab = vocab_of(manifest)
             prompts = default_prompts(plan_of(manifest).lengths, vocab, specials=special_ids(out, vocab))
-        data = golden_files.record(out, record, prompts, backend=backend_list[0], new_tokens=max_new_tokens,
+        # the blobs a deployment runs, so that checking the goldens where they were recorded runs
+        # them (recorded on numpy by default, a check of them never read the blobs)
+        source = backend_list[0] if backends else backend_list[1]
+        data = golden_files.record(out, record, prompts, backend=source, new_tokens=max_new_tokens,
                                    from_ir=from_ir)
         if as_json:
             echo_json(data)
         else:
-            click.echo(f"recorded {len(data['prompts'])} prompts from {backend_list[0]} into {record}")
+            click.echo(f"recorded {len(data['prompts'])} prompts from {source} into {record}")
         return
     report = verify_compiled(out, against=against, backends=backend_list, prompts=prompts,
                              new_tokens=max_new_tokens, reference_backend=reference, from_ir=from_ir)

@@ -207,7 +207,22 @@ def open_compiled(directory: str | Path, backend: str = "numpy", *, from_ir: boo
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest, sha256=sha256)
+    require_blobs(directory, manifest, backend, from_ir)
     return pipeline_from(directory, manifest, backend, from_ir=from_ir)
+
+
+def require_blobs(directory, manifest: dict, backend: str, from_ir: bool) -> None:
+    """A device backend runs its device's blobs: without them (a directory compiled for another
+    device) it is a UsageError naming what there is, unless `from_ir` asks for the IR compiled
+    on the device (`kvc run --backend openvino` of an NPU-only directory compiled the IR for the
+    CPU in silence, and ran what no check had run)."""
+    device = DEVICE_OF_BACKEND.get(backend)
+    blobs = manifest["models"]["prefill"]["blobs"]
+    if device is None or from_ir or device in blobs:
+        return
+    there = ", ".join(f"{d} (--backend {BACKEND_OF_DEVICE[d]})" for d in sorted(blobs) if d in BACKEND_OF_DEVICE)
+    raise UsageError(f"{directory} has no {device} blobs, only {there or 'none'}: use that backend, or --from-ir "
+                     f"to compile its IR for {device}")
 
 
 def model_session(directory: str | Path, name: str, backend: str = "numpy") -> Session:

@@ -144,7 +144,7 @@ def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int
         forced = force_routers(model.clone(), shift)
         feed = static_feed(forced, force_routers(lifted.clone(), shift), tokens)
         if shift == 0 and feed.positions * per_token < count:
-            shifts = math.ceil(count / per_token)
+            shifts = 2 * math.ceil(count / per_token) - 1  # consecutive positions holding a whole round
         a, n, ok = _judge(feed.ref_logits, NumpySession(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
         if not ok:
             return _forced_reason(experts, a, n)

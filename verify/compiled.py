@@ -563,7 +563,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     from pathlib import Path
 
     from kvc.export.compile import model_window
-    from kvc.export.load import backend_config, pipeline_from
+    from kvc.export.load import backend_config, pipeline_from, require_blobs
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes, vocab_of
     from kvc.runtime.compare import nrmse_limit, reduced_precision, step_limit
     from kvc.runtime.generate import far_past_fits
@@ -577,7 +577,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest, sha256=True)
-    _check_backends(manifest, backends, from_ir)
+    for backend in backends:  # a device backend without its blobs would say nothing of what `kvc run` runs
+        require_blobs(directory, manifest, backend, from_ir)
     source = Path(against) if against else recorded_source(manifest, directory)
     is_recorded_source = against is None or source_hashes(source) == manifest["source"]["sha256"]
     plan = plan_of(manifest)
@@ -684,21 +685,6 @@ def check_copies(source, directory, manifest: dict) -> dict:
     if absent:
         reason = f"{same} identical to the source model's; not compared, none beside it: {', '.join(absent)}"
     return {"ok": True, "files": same, "reason": reason}
-
-
-def _check_backends(manifest: dict, backends, from_ir: bool) -> None:
-    """Refuse a device backend OUT has no blobs for (unless `from_ir`): its pipeline would
-    compile the IR, and a verdict on it would say nothing of the blobs `kvc run` runs."""
-    from kvc.errors import UsageError
-    from kvc.export.load import DEVICE_OF_BACKEND
-
-    blobs = manifest["models"]["prefill"]["blobs"]
-    for backend in backends:
-        device = DEVICE_OF_BACKEND.get(backend)
-        if device is not None and device not in blobs and not from_ir:
-            have = ", ".join(sorted(blobs)) or "none"
-            raise UsageError(f"the {backend} backend runs {device} blobs, and this directory has none (its blobs: "
-                             f"{have}); --from-ir runs its IR on {device} instead")
 
 
 def _forced_experts(source, directory, manifest: dict, cases, experts: tuple[int, int],

@@ -13,17 +13,23 @@ max, on the last axis: Mixtral, Qwen-MoE, GPT-OSS, GraniteMoE, PhiMoE as optimum
 them; routers that pick a token's experts in turns are one, `router_groups`); its indices are
 replaced by the experts fixed by each row's position p,
 
-    experts(p) = {(p * k + j) mod E : j < k}
+    experts(p) = {pi_r((p * k + j) mod E) : j < k},  r = floor(p / m) mod R,  m = ceil(E / k)
 
-and its values by the router's own scores of those experts (GatherElements of its input), so
-what follows the TopK (softmax over the picked scores, normalization, the scatter into [rows,
-E], the experts' products) runs as it would had the router picked them. Any m = ceil(E / k)
-consecutive positions pick every expert, so a model run at m consecutive positions runs every
-expert's wiring. The forced probes are the compile's probes (`probe_cases`), with each generate
-variant's far probe decoded over its last max(2, m) positions instead of its last 2
-(`forced_cases`): every generate variant decodes m consecutive positions, and every prefill
-model runs over at least m when its smallest call holds m rows (a chunk of 16 for E / k = 16,
-Qwen3-MoE's 128 experts, 8 a token).
+(`rounds`: pi_r the r-th of R relabelings of the experts), and its values by the router's own
+scores of those experts (GatherElements of its input), so what follows the TopK (softmax over
+the picked scores, normalization, the scatter into [rows, E], the experts' products) runs as it
+would had the router picked them. The m positions of a round pick every expert, so a model
+run at 2m - 1 consecutive positions (which hold a whole round) runs every expert's wiring. The
+rounds relabel the experts so that different rounds put different experts together: with k 2
+of an even E, every pair of experts in either slot order is a token's in some round (a
+round-robin tournament). Without them the pairs were always the same ({0,1} and {2,3} of 4):
+a graph that moved expert 5's routing weight to expert 6's column only when a token picked 0
+and 5 together passed the compile and `kvc verify` on qwen2_moe (8 experts), whose routers
+never picked that pair on any probe. The forced probes are the compile's probes
+(`probe_cases`), with each generate variant's far probe decoded over its last max(2, 2m - 1)
+positions instead of its last 2 (`forced_cases`), and every prefill model runs over a whole
+round when its smallest call holds 2m - 1 rows, or m rows on the chunk grid where m divides
+the chunk (a chunk of 16 for E / k = 16, Qwen3-MoE's 128 experts, 8 a token).
 
 The row's position is the model's ``position_ids``, flattened: the router's rows are the
 tokens of the call in order, batch 1, in the source and in every static model. A TopK of
@@ -128,13 +134,31 @@ def _positions(model: ov.Model) -> ov.Output | None:
     return None
 
 
+def rounds(experts: int, per_token: int) -> np.ndarray:
+    """The relabelings of the experts, one per round of ceil(E / k) positions (the module's
+    rule): [R, E], row r the permutation round r applies. With k 2 of an even E, the rounds of
+    a round-robin tournament (the circle method: E - 1 rounds whose pairs, (2q, 2q + 1) relabeled,
+    are every pair once), then the same with each pair's slots swapped: every pair of experts, in
+    either slot, is a token's in some round. Otherwise the identity, then seeded permutations."""
+    E, k = experts, per_token
+    if k == 2 and E % 2 == 0 and E > 2:
+        table = []
+        for swap in (False, True):
+            for r in range(E - 1):
+                pairs = [(E - 1, r)] + [((r + i) % (E - 1), (r - i) % (E - 1)) for i in range(1, E // 2)]
+                table.append([x for a, b in pairs for x in ((b, a) if swap else (a, b))])
+        return np.array(table, np.int64)
+    rng = np.random.default_rng(E * 1009 + k)
+    return np.array([np.arange(E)] + [rng.permutation(E) for _ in range(max(1, 2 * (E - 1)) - 1)], np.int64)
+
+
 def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     """`model`, edited in place: every router picks the experts its row's position fixes (the
     module's rule), or with `shift` those of position + shift (kvc bisect's one-row steps run
-    each shift below ceil(E / k) to pick every expert). The routers of a group (`router_groups`)
-    take the k experts in turn: the t-th, of k_t, those from the sum of the k's before it. A
-    model with routers but no ``position_ids`` is a VerificationError: its experts cannot all be
-    run, and an unproven model is not passed."""
+    each shift below 2 ceil(E / k) - 1 to pick every expert). The routers of a group
+    (`router_groups`) take the k experts in turn: the t-th, of k_t, those from the sum of the k's
+    before it. A model with routers but no ``position_ids`` is a VerificationError: its experts
+    cannot all be run, and an unproven model is not passed."""
     groups = router_groups(model)
     if not groups:
         return model
@@ -154,8 +178,15 @@ def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
         for tk in group:
             scores = tk.input_value(0)
             experts, k = scores.get_partial_shape()[1].get_length(), _k(tk)
-            picked = ops.floor_mod(ops.add(start, ops.constant(np.arange(first, first + k, dtype=np.int64)[None, :])),
-                                   ops.constant(np.int64(experts)))
+            base = ops.floor_mod(ops.add(start, ops.constant(np.arange(first, first + k, dtype=np.int64)[None, :])),
+                                 ops.constant(np.int64(experts)))
+            table = rounds(experts, total)
+            m = math.ceil(experts / total)
+            round_ = ops.floor_mod(ops.divide(rows, ops.constant(np.int64(m))),
+                                   ops.constant(np.int64(len(table))))
+            at = ops.add(ops.unsqueeze(ops.multiply(round_, ops.constant(np.int64(experts))),
+                                       ops.constant(np.int64(1))), base)
+            picked = ops.gather(ops.constant(table.reshape(-1)), at, ops.constant(np.int64(0)))
             first += k
             values = ops.gather_elements(scores, picked, 1)
             indices = ops.convert(picked, tk.get_output_element_type(1))
@@ -166,16 +197,31 @@ def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
     return model
 
 
-def forced_cases(cases, experts: int, per_token: int) -> list:
+# The most steps the forced run's first probe decodes to reach every round (`forced_cases`).
+ROUND_STEPS = 64
+
+
+def forced_cases(cases, experts: int, per_token: int, lengths=None) -> list:
     """The compile's probe `cases` for the forced run: each generate variant's far probe (a
-    decode over its last 2 positions) decoded over its last max(2, ceil(E / k)) instead, so that
-    it runs every expert (the module's rule); the other probes as they are."""
+    decode over its last 2 positions) decoded over its last max(2, 2 ceil(E / k) - 1) instead,
+    which hold a whole round, so that it runs every expert (the module's rule); with the plan's
+    `lengths`, the first probe (the generate models' probe) decoding on over every round, up to
+    ROUND_STEPS steps and the capacity, so that the generate models put every pair of experts
+    together (8 experts, 2 a token: 56 steps; on NPU blobs at P 64 the generate models' 10
+    forced steps reached 4 of 14 rounds, and a pair no router picked passed); the other probes
+    as they are."""
+    from kvc.runtime.static_pipeline import max_new_tokens
     from kvc.verify.compiled import Probe
 
-    steps = max(2, math.ceil(experts / per_token))
+    m = math.ceil(experts / per_token)
+    steps = max(2, 2 * m - 1)
     forced = []
-    for probe in cases:
-        if probe.decode and probe.start is not None and probe.start >= steps:
+    for i, probe in enumerate(cases):
+        if i == 0 and lengths is not None and not probe.decode:
+            every = min(len(rounds(experts, per_token)) * m, ROUND_STEPS)
+            forced.append(probe._replace(new_tokens=max(probe.new_tokens, min(
+                every, max_new_tokens(lengths, len(probe.prompt))))))
+        elif probe.decode and probe.start is not None and probe.start >= steps:
             # a token a step from position start - steps, then the last step's own token
             prompt = (probe.prompt * steps)[: steps - 1]
             forced.append(Probe(prompt, 2, probe.start, probe.start - steps, True, probe.filled))
@@ -200,7 +246,7 @@ def verify_experts(directory, manifest: dict, cases, experts: tuple[int, int], r
     from kvc.verify.compiled import ir_generations, verify_static
 
     plan = plan_of(manifest)
-    forced = forced_cases(cases, *experts)
+    forced = forced_cases(cases, *experts, plan.lengths)
     ir_gens = ir_generations(directory, manifest, forced, on_case, edit=force_routers)
     result = verify_static(reference(), plan, forced, ir_gens)
     if result["ok"]:

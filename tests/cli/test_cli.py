@@ -344,6 +344,15 @@ def test_an_output_path_that_cannot_be_written_is_exit_7(compiled, tmp_path):
     assert f"cannot write the report {blocker / 'r.html'}" in out and not (tmp_path / "o").exists()
 
 
+def test_goldens_are_recorded_from_the_blobs_unless_told(compiled, tmp_path):
+    """Recorded on numpy by default, goldens checked where they were recorded never ran the
+    blobs `kvc run` serves (a prefill blob whose positions stopped at 33 passed them)."""
+    goldens = tmp_path / "goldens.json"
+    assert "from openvino into" in kvc("verify", compiled, "--record", goldens, "--max-new-tokens", "2").output
+    report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--json").stdout)
+    assert {r["backend"] for r in report["results"]} == {"openvino"} and report["ok"]
+
+
 def test_goldens_are_checked_on_the_backend_that_recorded_them(compiled, tmp_path):
     """Goldens recorded from the blobs were checked on numpy's IR run (the first of the
     default --backends), which a bad blob does not change: without --backends they are checked

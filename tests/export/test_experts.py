@@ -22,7 +22,7 @@ from kvc.passes.framework.base import Pass, PassResult, option
 from kvc.passes.framework.registry import register_pass
 from kvc.runtime.session import NumpySession
 from kvc.verify.compiled import Probe, probe_cases
-from kvc.verify.experts import experts_of, force_routers, forced_cases, router_groups, routers
+from kvc.verify.experts import experts_of, force_routers, forced_cases, router_groups, rounds, routers
 from tests.cli.runner import SMALL, kvc
 from tests.export.test_weights_check import built, never_routed
 from tests.mutation.mutants import apply, swap_experts
@@ -65,7 +65,8 @@ def test_a_router_that_picks_in_turns_is_forced_to_distinct_experts_with_finite_
     compiled = ov.Core().compile_model(model, "CPU")
     out = compiled({"scores": scores, "position_ids": np.array([[0, 1, 2]], np.int64)})
     v1, i1, v2, i2 = (out[o] for o in compiled.outputs)
-    np.testing.assert_array_equal(np.hstack([i1, i2]), [[0, 1], [2, 3], [0, 1]])
+    table = rounds(4, 2)  # rounds of two positions: 0 and 1 in the first, 2 in the second
+    np.testing.assert_array_equal(np.hstack([i1, i2]), [table[0][:2], table[0][2:], table[1][:2]])
     np.testing.assert_array_equal(np.hstack([v1, v2]), np.take_along_axis(scores, np.hstack([i1, i2]), 1))
 
 
@@ -90,7 +91,8 @@ def test_a_forced_router_picks_the_experts_each_position_fixes(engine):
         compiled = ov.Core().compile_model(model, "CPU")
         out = compiled(feed)
         values, indices = (out[o] for o in compiled.outputs)
-    expected = np.array([[(p * 2 + j) % 5 for j in range(2)] for p in range(7, 12)])
+    table = rounds(5, 2)  # E odd: the identity, then seeded permutations; a round is ceil(5 / 2) = 3 positions
+    expected = np.array([[table[(p // 3) % len(table)][(p * 2 + j) % 5] for j in range(2)] for p in range(7, 12)])
     np.testing.assert_array_equal(indices, expected)
     assert indices.dtype == np.int32
     np.testing.assert_array_equal(values, np.take_along_axis(scores, expected, 1))
@@ -108,12 +110,24 @@ def test_the_forced_probes_decode_each_variant_over_enough_positions_to_pick_eve
     far = [p for p in cases if p.decode]
     # the variant's last two steps, over empty rows and over a far past
     assert far == [Probe(far[0].prompt, 2, 128, 126, True), Probe(far[0].prompt, 2, 128, 126, True, True)]
-    assert forced_cases(cases, 4, 2) == cases  # two positions pick all four experts
-    forced = forced_cases(cases, 128, 8)  # Qwen3-MoE's: 16 positions
+    # 4 experts, 2 a token: a round of two positions, three consecutive ones hold a whole round
+    assert [(len(p.prompt), p.origin) for p in forced_cases(cases, 4, 2) if p.decode] == [(2, 125), (2, 125)]
+    forced = forced_cases(cases, 128, 8)  # Qwen3-MoE's: rounds of 16 positions, 31 consecutive hold one
     assert [p for p in forced if not p.decode] == [p for p in cases if not p.decode]
     longs = [p for p in forced if p.decode]
     assert [(len(p.prompt), p.new_tokens, p.start, p.origin, p.filled) for p in longs] == [
-        (15, 2, 128, 112, False), (15, 2, 128, 112, True)]
+        (30, 2, 128, 97, False), (30, 2, 128, 97, True)]
+
+
+def test_the_rounds_put_every_pair_of_experts_together_in_either_slot():
+    """Forced by position alone, a token's experts were always the same pairs ({0, 1}, {2, 3}
+    of 4): a graph keyed on a pair no router picked passed (moe_pair_weight_moved)."""
+    for experts in (4, 8, 64):
+        table = rounds(experts, 2)
+        assert all(sorted(row) == list(range(experts)) for row in table)  # each round picks every expert
+        pairs = {(row[2 * q], row[2 * q + 1]) for row in table for q in range(experts // 2)}
+        assert len(pairs) == experts * (experts - 1)  # every ordered pair
+    assert all(sorted(row) == list(range(128)) for row in rounds(128, 8))
 
 
 @pytest.mark.parametrize("mutant, model", [("gen_experts_2_3_swapped", "generate-128"),

@@ -466,6 +466,34 @@ def gen_experts_2_3_swapped(name, model):
     return swap_experts(model) if generate(name) else 0
 
 
+def pair_weight_moved(model, a: int, b: int, c: int, layer: int = 1) -> int:
+    """Layer `layer`'s routers (a TopK over [rows, E]): where a token's two experts are {a, b},
+    the routing weight meant for b is scattered into expert c's column, every weight kept."""
+    edits = 0
+    for tk in model.get_ordered_ops():
+        shape = tk.get_output_partial_shape(1) if tk.get_type_name() == "TopK" else None
+        if shape is None or shape.rank.get_length() != 2 or f"layers.{layer}." not in tk.get_friendly_name():
+            continue
+        dtype = tk.get_output_element_type(1).to_dtype()
+
+        def build(x, dtype=dtype):
+            def c_(v):
+                return ops.constant(np.array(v, dtype))
+            lo, hi = ops.reduce_min(x, i64([1]), True), ops.reduce_max(x, i64([1]), True)
+            pair = ops.logical_and(ops.equal(lo, c_(min(a, b))), ops.equal(hi, c_(max(a, b))))
+            return ops.select(ops.logical_and(pair, ops.equal(x, c_(b))), c_(c), x)
+        edits += reroute(tk.output(1), build)
+    return edits
+
+
+@mutant
+def gen_pair_0_5_weight_to_6(name, model):
+    """generate: a token routed to experts 0 and 5 together has 5's weight scattered into
+    expert 6's column (8 experts or more). Forced by position alone the pairs were always
+    {0, 1}, {2, 3}, ..., and qwen2_moe's routers never pick {0, 5} on a probe: published."""
+    return pair_weight_moved(model, 0, 5, 6) if generate(name) else 0
+
+
 @mutant
 def prefill_experts_2_3_swapped(name, model):
     """prefill, chunk and first-chunk models: experts 2 and 3 swapped (`gen_experts_2_3_swapped`)."""
