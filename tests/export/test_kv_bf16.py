@@ -84,5 +84,7 @@ def test_bf16_cache_compiles_verifies_and_runs_from_blobs(compiled_bf16):
 
 def test_a_bf16_directory_on_the_npu_backend_is_a_clear_error(compiled_bf16):
     out, _ = compiled_bf16
-    with pytest.raises(UsageError, match="compile it again with --kv-precision f16"):
+    with pytest.raises(UsageError, match="has no NPU blobs, only CPU"):
         open_compiled(out, "npu")
+    with pytest.raises(UsageError, match="compile it again with --kv-precision f16"):
+        open_compiled(out, "npu", from_ir=True)

@@ -348,10 +348,11 @@ def serve(plant: str | None = None) -> None:
     _prepare_cli()
     if plant == "crash":
         import kvc.export.load as load
+        import kvc.export.manifest as manifest
 
         def boom(*args, **kwargs):
             raise ZeroDivisionError("planted")
-        load.read_manifest = boom
+        load.read_manifest = manifest.read_manifest = boom  # `kvc run` reads it first for its default backend
     elif plant == "no-check":
         import kvc.export.load as load
         load.check_files = lambda *args, **kwargs: None
