@@ -73,7 +73,7 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
             prompts = default_prompts(plan_of(manifest).lengths, vocab, specials=special_ids(out, vocab))
         # the blobs a deployment runs, so that checking the goldens where they were recorded runs
         # them (recorded on numpy by default, a check of them never read the blobs)
-        source = backend_list[0] if backends else backend_list[1]
+        source = backend_list[0] if backends or len(backend_list) < 2 else backend_list[1]
         data = golden_files.record(out, record, prompts, backend=source, new_tokens=max_new_tokens,
                                    from_ir=from_ir)
         if as_json:

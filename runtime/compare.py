@@ -257,8 +257,8 @@ def nrmse_limit(kv_element_types, selects: bool = False, backend: str = "numpy",
     `selects` (a TopK) and the run on `backend` with `config` computes below f32
     (`reduced_arithmetic`); narrower where only the cache's rounding moves it
     (`ROUNDED_CACHE_NRMSE`)."""
-    if selects and (reduced_arithmetic(backend, config) or rounded_cache_only(kv_element_types, backend, config)):
-        return SELECTING_NRMSE  # over a rounded cache, for the probes `few_past_rounding` lets take it
+    if selects and reduced_arithmetic(backend, config):
+        return SELECTING_NRMSE
     rounded = _rounded_cache_only(kv_element_types, selects, backend, config)
     if rounded is not None:
         return ROUNDED_CACHE_NRMSE[rounded]
@@ -269,11 +269,9 @@ def step_limit(kv_element_types=(), selects: bool = False, backend: str = "numpy
                config: dict | None = None) -> float | None:
     """The `step_error` bound of a reduced-precision run: STEP_ERROR, narrower where only the
     cache's rounding moves it (`ROUNDED_CACHE_STEP`), or none for a graph that `selects` run
-    below f32 (`reduced_arithmetic`), over a rounded cache or with an int8 KV cache, where a
-    flipped expert moves a whole step (over a rounded cache in f32 arithmetic, for at most a
-    quarter of the probes: `kvc.verify.compiled.few_past_rounding`)."""
-    moves = (reduced_arithmetic(backend, config) or int8_kv(kv_element_types)
-             or rounded_cache_only(kv_element_types, backend, config))
+    below f32 (`reduced_arithmetic`) or with an int8 KV cache, where a flipped expert moves a
+    whole step."""
+    moves = reduced_arithmetic(backend, config) or int8_kv(kv_element_types)
     if selects and moves:
         return None
     rounded = _rounded_cache_only(kv_element_types, selects, backend, config)

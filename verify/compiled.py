@@ -73,7 +73,11 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     reach every position but the last and leave a pad row before them: with 33 tokens, a
     prefill model whose positions were clamped at 33 was published, the NPU's default prefill
     (tests/mutation: `prefill_positions_clamped_33`; `prefill_pad_row_attended` is the pad
-    row's). Its last position is the generate models' first (the first step after it).
+    row's). Its last position is the generate models' first (the first step after it). The
+    generate models' first positions, which its steps no longer reach, get a probe of their
+    own that needs no prefill: 33 tokens fed to the variant a short prompt starts on, a token a
+    step from position 0, then `tokens` new ones (`StaticPipeline.decode_prompt`; a generate
+    model reading positions below 48 one too far was published without it).
 
     With several generate variants, a third probe exercises a switch: a prompt that fills the
     smallest variant T1 but for two rows (T1 - 2 tokens, at most P), started on T1 and run
@@ -120,6 +124,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     opening = short if plan.chunk else max(1, plan.prompt - 1)
     cases.append(Probe(_led_by(specials, rng.integers(1, vocab, opening).tolist()),
                        min(tokens, max_new_tokens(plan, opening))))
+    if not plan.chunk and plan.tokens == 1 and opening > short:  # the generate models' first positions
+        prompt = _led_by(specials, rng.integers(1, vocab, short).tolist())
+        n = min(tokens, max_new_tokens(plan, short))
+        cases.append(Probe(prompt, n, variants_run(plan, short, n)[0], 0, True))
     far = _far_probes(plan)
     for length in _model_probes(plan, [short]):
         n = min(tokens, BULK_TOKENS, max_new_tokens(plan, length))
@@ -353,9 +361,10 @@ def rounding_policy(kv_element_types, selecting: bool, backend: str, config: dic
     """For a graph that selects, run in f32 arithmetic over a cache rounded to f16 or bf16
     (kvc's NPU blobs on NPUW's CPU backend), the bounds of the cache's rounding alone
     (`blob_policy` of a graph that does not select: ROUNDED_CACHE_NRMSE, ROUNDED_CACHE_STEP),
-    which `blob_policy` widens for it to a router's (SELECTING_NRMSE, no step bound): a router
-    the rounding turns to another expert moves a whole token (correct NPU blobs of mixtral, on
-    `kvc verify`'s 1024-token prompt, a step 0.275 of the logits' spread). `few_past_rounding` keeps that the
+    which `blob_policy` widens for it to the fixed F16_NRMSE and STEP_ERROR, every layer's
+    rows compared: a router the rounding turns to another expert moves a whole token. (A
+    router's bounds at bf16, SELECTING_NRMSE and no step bound, published a generate blob whose
+    far values were read 10% small on qwen3_moe as the excused probe.) `few_past_rounding` keeps that the
     exception. None elsewhere."""
     from kvc.runtime.compare import rounded_cache_only
 

@@ -218,10 +218,10 @@ def forced_cases(cases, experts: int, per_token: int, lengths=None) -> list:
     forced = []
     for i, probe in enumerate(cases):
         if i == 0 and lengths is not None and not probe.decode:
-            every = min(len(rounds(experts, per_token)) * m, ROUND_STEPS)
+            every = min(len(rounds(experts, per_token)) * m + 1, ROUND_STEPS)  # n tokens: n - 1 generate steps
             forced.append(probe._replace(new_tokens=max(probe.new_tokens, min(
                 every, max_new_tokens(lengths, len(probe.prompt))))))
-        elif probe.decode and probe.start is not None and probe.start >= steps:
+        elif probe.decode and probe.start is not None and probe.origin == probe.start - 2 and probe.start >= steps:
             # a token a step from position start - steps, then the last step's own token
             prompt = (probe.prompt * steps)[: steps - 1]
             forced.append(Probe(prompt, 2, probe.start, probe.start - steps, True, probe.filled))

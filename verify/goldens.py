@@ -27,7 +27,7 @@ import numpy as np
 
 from kvc import __version__, jsontext
 from kvc.errors import InvalidModelError, VerificationError
-from kvc.export.load import backend_config, pipeline_from
+from kvc.export.load import backend_config, pipeline_from, require_blobs
 from kvc.export.manifest import check_files, openvino_version, plan_of, read_manifest, recorded_source, vocab_of
 from kvc.ir.writer import write_output
 from kvc.runtime.compare import count_nonfinite, dynamic_quantization, first_divergence, reduced_precision
@@ -52,7 +52,9 @@ def _kv_type(manifest: dict, backend: str) -> str:
 
 
 def _open(directory: Path, manifest: dict, backend: str, from_ir: bool):
-    """The pipeline goldens are recorded or checked on, and `_kv_type`."""
+    """The pipeline goldens are recorded or checked on (a device backend on its blobs:
+    `require_blobs`), and `_kv_type`."""
+    require_blobs(directory, manifest, backend, from_ir)
     pipe = pipeline_from(directory, manifest, backend, from_ir=from_ir, widen=_widens(manifest, backend))
     return pipe, _kv_type(manifest, backend)
 
@@ -185,8 +187,9 @@ def judge_entry(entry: dict, tokens: list[int], logits, atol: float) -> dict:
     ok = bool((div is None or near_tie is not None) and not nonfinite and drift <= atol)  # atol may be numpy's
     changed = f"token {div} changed: {_at(entry['tokens'], div)} -> {_at(tokens, div)}" if div is not None else ""
     reason = (f"{nonfinite} non-finite logit(s)" if nonfinite
+              else f"{changed}, not a near-tie (bound {atol:.3g}; logit drift up to it {drift:.3g})"
+              if div is not None and near_tie is None
               else f"logit drift {drift:.3g} > {atol:.3g}" if not drift <= atol
-              else f"{changed}, not a near-tie (bound {atol:.3g})" if div is not None and near_tie is None
               else f"near-tie: {changed} (recorded margin {near_tie:.2g} <= 2 x {atol:.2g}); matches up to it"
               if near_tie is not None
               else "matches")
@@ -265,9 +268,11 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False,
     itself at f32), as `kvc verify` judges such runs; over the same fixtures a correct run
     drifted at most 1.73x it (bloom, 1024 tokens). A graph that selects (a TopK router) may flip
     an expert where the plugin's own run does not, which moves its logits whatever the
-    arithmetic: at most a quarter of its prompts (at least one) may be past that bound, as in
-    `kvc verify` (`kvc.verify.peer_drift.few_routers_flipped`); correct runs were up to 27x
-    the peer's drift on one prompt (phimoe), never on two."""
+    arithmetic: at most a quarter of its prompts may be past that bound (none of fewer than
+    four), as in `kvc verify` (`kvc.verify.peer_drift.few_routers_flipped`); correct runs were
+    up to 27x the peer's drift on one prompt of three (phimoe), so such a check of a mixture of
+    experts wants more prompts than the default three, or goldens recorded where they are
+    checked."""
     from kvc.errors import UsageError
     from kvc.verify.compiled import directory_selects
     from kvc.verify.peer_drift import PEER_FACTOR
@@ -321,11 +326,12 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False,
 
 def _few_routers_flipped(rows: list[dict]) -> None:
     """A graph that selects, checked across arithmetics (`check`): at most a quarter of the
-    prompts (at least one) may be past the plugin's own drift, by drift or by a flipped token,
-    never by a non-finite logit."""
+    prompts (none of fewer than four) may be past the plugin's own drift, by drift or by a
+    flipped token, never by a non-finite logit. With at least one allowed, a goldens file of one
+    prompt excused a qwen3_moe directory whose layer 1 read layer 0's past (drift 2.92)."""
     beyond = [r for r in rows if not r["ok"] and "non-finite" not in r["reason"]]
-    allowed = max(1, len(rows) // 4)
-    if len(beyond) <= allowed:
+    allowed = len(rows) // 4
+    if beyond and len(beyond) <= allowed:
         for r in beyond:
             r["ok"] = True
             r["reason"] = (f"excused: a router may flip an expert the plugin's own run does not (at most {allowed} "
@@ -333,4 +339,5 @@ def _few_routers_flipped(rows: list[dict]) -> None:
     else:
         for r in beyond:
             r["reason"] += (f"; past the plugin's own drift on {len(beyond)} of {len(rows)} prompts: a router "
-                            f"flipping an expert excuses at most {allowed}")
+                            f"flipping an expert excuses at most {allowed} (a quarter; record the goldens at "
+                            f"the arithmetic they are checked at, the default, or give more prompts)")

@@ -73,18 +73,23 @@ def test_checking_at_another_arithmetic_needs_the_source(smollm3, tmp_path):
 
 
 def test_a_router_may_flip_an_expert_on_at_most_a_quarter_of_the_prompts():
+    """None of fewer than four: with one always allowed, goldens of one prompt excused a
+    qwen3_moe directory whose layer 1 read layer 0's past (drift 2.92)."""
     def rows(*oks):
         return [{"ok": ok, "reason": "matches" if ok else "logit drift 0.5 > 0.06"} for ok in oks]
 
-    one = rows(True, False, True)
-    _few_routers_flipped(one)
-    assert all(r["ok"] for r in one) and one[1]["reason"].startswith("excused: a router may flip an expert")
-    two = rows(False, False, True)
-    _few_routers_flipped(two)
-    assert [r["ok"] for r in two] == [False, False, True] and "on 2 of 3 prompts" in two[0]["reason"]
+    four = rows(True, False, True, True)
+    _few_routers_flipped(four)
+    assert all(r["ok"] for r in four) and four[1]["reason"].startswith("excused: a router may flip an expert")
+    for few in (rows(False), rows(True, False, True)):
+        _few_routers_flipped(few)
+        assert not all(r["ok"] for r in few) and "excuses at most 0" in next(r for r in few if not r["ok"])["reason"]
     eight = rows(False, False, True, True, True, True, True, True)
     _few_routers_flipped(eight)
     assert all(r["ok"] for r in eight)
-    nan = [{"ok": False, "reason": "3 non-finite logit(s)"}, *rows(True, True)]
+    nine = rows(False, False, False, True, True, True, True, True, True)
+    _few_routers_flipped(nine)
+    assert [r["ok"] for r in nine][:3] == [False] * 3 and "on 3 of 9 prompts" in nine[0]["reason"]
+    nan = [{"ok": False, "reason": "3 non-finite logit(s)"}, *rows(True, True, True)]
     _few_routers_flipped(nan)
     assert not nan[0]["ok"]
