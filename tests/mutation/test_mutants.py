@@ -154,6 +154,9 @@ def test_kvc_verify_runs_the_blobs_of_every_device_the_directory_was_compiled_fo
     assert json.loads(kvc("run", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json").stdout)[
         "backend"] == "npu"
     assert "has no CPU blobs" in kvc("run", out, "--prompt-ids", "1", "--backend", "openvino", code=2).output
+    goldens = tmp_path / "g.json"  # and goldens: checked on openvino, they compiled the IR for the CPU
+    kvc("verify", out, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "2")
+    assert "has no CPU blobs" in kvc("verify", out, "--goldens", goldens, "--backends", "openvino", code=2).output
     kvc("verify", out, "--backends", "numpy,openvino", "--from-ir")  # the IR itself is right
 
 
