@@ -57,7 +57,7 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_attention_scale_1e2", "llama", "ir", "CPU", IR_CHECK),
     ("weights_bin_mantissa_bit", "llama", "ir", "CPU", IR_CHECK),
     # a pair of experts no router picks on a probe, forced by position alone always the same pairs
-    ("gen_pair_0_5_weight_to_6", "qwen2_moe", "ir", "NPU", "with every router forced to the experts each position"),
+    ("gen_pair_0_5_weight_to_6", "qwen2_moe", "ir", "CPU", "with every router forced to the experts each position"),
     ("gen_expert_in_place_1e2", "gpt_oss", "ir", "CPU", "model 'generate-128': its weight "
      "'self.model.layers.0.mlp.experts.gate_up_proj' (f32 [4, 64, 128]) differs from the source's in 8192 of "
      "32768 values, first at [3, 0, 0]"),
