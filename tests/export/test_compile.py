@@ -59,7 +59,7 @@ def test_layout_and_manifest(compiled):
     assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
     # an unchunked prefill has one path: one prompt for it (a second was a second P-row prefill), one to switch
     assert [(r["prompt_tokens"], r.get("from_position")) for r in m["verification"]["results"]] == [
-        (63, None), (33, None), (64, None), (1, 78), (1, 78), (1, 126), (1, 126)]  # the far probes: each variant's last
+        (63, None), (7, None), (64, None), (1, 78), (1, 78), (1, 126), (1, 126)]  # the far probes: each variant's last
     # two positions, over empty rows and over a far past
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
@@ -1211,17 +1211,17 @@ def test_range_hashes_for_the_blob_cache(tmp_path):
 
 def test_compile_verification_runs_every_generate_variant(tmp_path, monkeypatch):
     """With four variants (80, 96, 112 and the capacity's 128) the probes start on 128 (P - 1
-    tokens and R), switch from 80 to 96, and decode 33 tokens from position 0 on 112 (the
-    generate models' first positions); every variant is run by its far probe too (before
-    them, a variant no probe reached was run by a short prompt started on it, one step), so a
-    fault in any is caught before anything is published (it was not)."""
+    tokens and R), switch from 80 to 96, and decode 7 tokens from position 0 on 80 (the
+    generate models' first positions); the one none of them reaches, 112, is run too, by its
+    far probe (before them, the short prompt started on it, one step), so a fault there is
+    caught before anything is published (it was not)."""
     from kvc.verify.compiled import probe_cases
 
     _fault_in(monkeypatch, "generate-112", HalvePastValues())
     options = dataclasses.replace(SMALL, variants=(80, 96, 112))
     assert [(p.start, p.origin, p.filled) for p in probe_cases(options.lengths(), 1000) if p.decode] == [
-        (112, 0, False), *((size, size - 2, filled) for size in (80, 96, 112, 128) for filled in (False, True))]
-    with pytest.raises(VerificationError, match="prompt of 33 tokens: .*differ"):
+        (80, 0, False), *((size, size - 2, filled) for size in (80, 96, 112, 128) for filled in (False, True))]
+    with pytest.raises(VerificationError, match="prompt of 1 token from position 110: "):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))
     assert not (tmp_path / "out").exists()
 
