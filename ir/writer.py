@@ -129,16 +129,29 @@ def write_output(target: str | Path, data: bytes, what: str) -> None:
         raise OutputError(f"cannot write the {what} {target}: {exc.strerror or exc}; nothing was written") from None
 
 
+# How long a FIFO may wait for a reader (`_write_through`).
+FIFO_WAIT_SECONDS = 10.0
+
+
 def _write_through(path: Path, data: bytes) -> None:
-    """Write `data` to a device, FIFO or socket. A FIFO no process reads is ENXIO, not a wait
-    for a reader that may never come (a shell redirect waits; kvc hung): it is opened without
-    blocking, then written blocking."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:
-            raise OSError(errno.ENXIO, "no process is reading it (a FIFO is written only while one reads)") from None
-        raise
+    """Write `data` to a device, FIFO or socket. A FIFO no process reads is ENXIO after
+    FIFO_WAIT_SECONDS, not a wait for a reader that may never come (a shell redirect waits; kvc
+    hung): it is opened without blocking, again every 50 ms meanwhile (a reader started beside
+    kvc may open it a moment late), then written blocking."""
+    import time
+
+    deadline = time.monotonic() + FIFO_WAIT_SECONDS
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            if time.monotonic() >= deadline:
+                raise OSError(errno.ENXIO, f"no process opened it for reading within {FIFO_WAIT_SECONDS:g} s (a FIFO "
+                                           f"is written only while one reads)") from None
+            time.sleep(0.05)
     try:
         os.set_blocking(fd, True)
         view = memoryview(data)

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import threading
+import time
 
 import pytest
 from kvc import jsontext
@@ -32,7 +33,11 @@ def test_a_fifo_is_written_to_not_replaced_by_a_file(tmp_path):
     fifo = tmp_path / "events"
     os.mkfifo(fifo)
     got = []
-    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    def read():
+        time.sleep(0.3)  # a reader started beside kvc may open it a moment late
+        got.append(open(fifo, "rb").read())
+
+    reader = threading.Thread(target=read)
     reader.start()
     check_writable(fifo, "KV events")
     write_output(fifo, b'{"event": 1}\n', "KV events")
@@ -119,12 +124,16 @@ def test_a_cached_blob_that_is_not_a_regular_file_of_its_size_is_stale(tmp_path)
     assert "is stale or damaged" in result.output
 
 
-def test_a_fifo_nobody_reads_is_an_error_not_a_hang(tmp_path):
+def test_a_fifo_nobody_reads_is_an_error_not_a_hang(tmp_path, monkeypatch):
     """kvc waited forever to open a FIFO for writing that no process read (as a shell
-    redirect does); it is an OutputError naming the path, at once."""
+    redirect does); it is an OutputError naming the path once FIFO_WAIT_SECONDS pass."""
+    from kvc.ir import writer
+
+    monkeypatch.setattr(writer, "FIFO_WAIT_SECONDS", 0.2)
     fifo = tmp_path / "events"
     os.mkfifo(fifo)
-    with pytest.raises(OutputError, match=f"cannot write the KV events {fifo}: no process is reading it"):
+    with pytest.raises(OutputError, match=f"cannot write the KV events {fifo}: no process opened it for reading "
+                                          f"within 0.2 s"):
         write_output(fifo, b"{}\n", "KV events")
 
 
