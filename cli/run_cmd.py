@@ -168,12 +168,12 @@ def default_backend(out: Path) -> str:
     """The backend `kvc run` serves OUT on unless told: openvino where OUT has CPU blobs (or
     does not exist yet: --compile-from compiles it for the CPU), else npu (an NPU-only
     directory ran on openvino from its IR, the blobs never read)."""
+    from kvc.export.load import blob_backends
     from kvc.export.manifest import read_manifest
 
     if not (out / "manifest.json").is_file():
         return "openvino"
-    blobs = read_manifest(out)["models"]["prefill"]["blobs"]
-    return "openvino" if "CPU" in blobs or "NPU" not in blobs else "npu"
+    return (*blob_backends(read_manifest(out)), "openvino")[0]
 
 
 def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str, from_ir: bool, check: bool = False):

@@ -93,13 +93,10 @@ def verify(out, against, backends, prompts_file, max_new_tokens, reference, reco
 def default_backends(out: Path, from_ir: bool) -> tuple[str, ...]:
     """numpy, then the backend of each device OUT has blobs for (what `kvc run --backend` runs
     there); openvino with `from_ir`."""
-    from kvc.export.load import BACKEND_OF_DEVICE
+    from kvc.export.load import blob_backends
     from kvc.export.manifest import read_manifest
 
-    if from_ir:
-        return ("numpy", "openvino")
-    blobs = read_manifest(out)["models"]["prefill"]["blobs"]
-    return ("numpy", *(BACKEND_OF_DEVICE[d] for d in sorted(blobs) if d in BACKEND_OF_DEVICE))
+    return ("numpy", "openvino") if from_ir else ("numpy", *blob_backends(read_manifest(out)))
 
 
 def _tokens(row: dict) -> str:

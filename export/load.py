@@ -31,6 +31,13 @@ DEVICE_OF_BACKEND = {"openvino": "CPU", "npu": "NPU"}
 BACKEND_OF_DEVICE = {device: backend for backend, device in DEVICE_OF_BACKEND.items()}
 
 
+def blob_backends(manifest: dict) -> tuple[str, ...]:
+    """The backend of each device a compiled directory has blobs for, CPU before NPU: what
+    `kvc run` serves by default (the first) and `kvc verify` checks beside numpy (all)."""
+    blobs = manifest["models"]["prefill"]["blobs"]
+    return tuple(BACKEND_OF_DEVICE[d] for d in sorted(blobs) if d in BACKEND_OF_DEVICE)
+
+
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
              sweep: str | None = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
              widen: bool = False, edit=None) -> Session:
