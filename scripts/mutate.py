@@ -1,11 +1,11 @@
 """Put faults into kvc's static models and see whether `kvc compile` refuses them.
 
-    python scripts/mutate.py [--mutants A,B] [--where ir|blob] [--device CPU] [--args "..."] [FIXTURE ...]
+    python scripts/mutate.py [--mutants A,B] [--where ir|blob] [--device CPU] [FIXTURE ...] [-- KVC COMPILE ARGS]
 
 Each mutant (tests/mutation/mutants.py) runs on each fixture named (default: llama) in a
 process of its own, compiled as `kvc compile FIXTURE -o OUT --max-prompt-len 64
---min-response-len 64 --device DEVICE` (the CPU's defaults on this host) and any further
-`--args`, and prints one line:
+--min-response-len 64 --device DEVICE` (the CPU's defaults on this host) and whatever follows
+`--` (`-- --max-prompt-len 1024` overrides the 64), and prints one line:
 refused (the compile's exit code and the first line of its reason), PUBLISHED (the proof let
 it through: a bug in kvc's checks), or "no edit" (the mutant does not apply to that model). A
 new pass or check is audited by running every mutant over the zoo:
@@ -60,11 +60,12 @@ def main() -> int:
     parser.add_argument("--mutants", help="comma-separated (default: every one)")
     parser.add_argument("--where", choices=("ir", "blob"), default="ir")
     parser.add_argument("--device", choices=("CPU", "NPU"), default="CPU")
-    parser.add_argument("--args", default="", help="more kvc compile arguments, in one string")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]  # after --: kvc compile's own options
     if args.one:
-        return one(args.mutants, args.fixtures[0], args.where, args.device, args.args.split())
+        return one(args.mutants, args.fixtures[0], args.where, args.device, extra)
     sys.path.insert(0, str(ROOT))
     from tests.mutation.mutants import MUTANTS
 
@@ -73,7 +74,7 @@ def main() -> int:
     for name in names:
         for fixture in args.fixtures:
             published |= subprocess.call([sys.executable, __file__, "--one", "--mutants", name, "--where", args.where,
-                                          "--device", args.device, "--args", args.args, fixture])
+                                          "--device", args.device, fixture, "--", *extra])
     return 1 if published else 0
 
 
