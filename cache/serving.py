@@ -63,6 +63,25 @@ def common_prefix(a, b) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def prompt_array(prompt) -> np.ndarray:
+    try:
+        return np.asarray(prompt, dtype=np.int64).reshape(-1)
+    except (OverflowError, ValueError, TypeError):
+        raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
+
+
+def check_fits(pipe: StaticPipeline, prompt: np.ndarray, new_tokens: int, session: str | None) -> None:
+    """`StaticPipeline.check_fits`; a session's turn (its whole history) that no longer fits
+    says so."""
+    try:
+        pipe.check_fits(prompt, new_tokens)
+    except PromptTooLongError as exc:
+        if session is None:
+            raise
+        raise PromptTooLongError(f"chat session {session!r}: the history of {len(prompt)} tokens no longer fits "
+                                 f"the prefill ({exc}); finish the session or start a new one") from None
+
+
 class CachedPipeline:
     """A StaticPipeline with a prefix cache (optional) and chat sessions."""
 
@@ -96,23 +115,14 @@ class CachedPipeline:
     def generate(self, prompt, new_tokens: int, *, retention: Retention | None = None,
                  session: str | None = None, sampling=None, on_token=None) -> StaticGeneration:
         pipe = self.pipeline
-        try:
-            prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        except (OverflowError, ValueError, TypeError):
-            raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
+        prompt = prompt_array(prompt)
         chat = None
         if session is not None:
             chat = self.sessions.get(session)
             if chat is None:
                 raise UsageError(f"no chat session {session!r} is open (start_chat first)")
         n = len(prompt)
-        try:
-            pipe.check_fits(prompt, new_tokens)
-        except PromptTooLongError as exc:
-            if chat is None:
-                raise
-            raise PromptTooLongError(f"chat session {session!r}: the history of {n} tokens no longer fits the "
-                                     f"prefill ({exc}); finish the session or start a new one") from None
+        check_fits(pipe, prompt, new_tokens, session)
         if retention is not None:
             retention.check(n)
         started = time.perf_counter()  # TTFT includes finding and restoring the rows
@@ -164,28 +174,23 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
     """Run a parsed workload (`kvc.cache.requests`) in order: a request with a session opens
     it on its first turn, `finish_session` closes it. One dict per request: its tokens, how
     many prompt tokens were restored, TTFT and per-token latency (ms). `encode` tokenizes
-    text prompts. A request that cannot run is an error naming its line; the requests before
-    it have run and the cache stays consistent."""
+    text prompts. Every request is checked before any runs (`preflight`): a request that
+    cannot run is an error naming its line, and nothing has run."""
     from kvc.cache.requests import FinishSession
 
+    prompts = preflight(pipe, entries, encode, source)
     results = []
-    for entry in entries:
+    for entry, ids in zip(entries, prompts):
         try:
             if isinstance(entry, FinishSession):
                 pipe.finish_chat(entry.session)
                 continue
-            ids = entry.prompt_ids
-            if ids is None:
-                if encode is None:
-                    raise UsageError("a text prompt needs the model's tokenizer")
-                ids = encode(entry.prompt)
             if entry.session is not None and entry.session not in pipe.sessions:
                 pipe.start_chat(entry.session)
             gen = pipe.generate(ids, entry.max_new_tokens, retention=entry.retention, session=entry.session,
                                 sampling=sampling)
         except UsageError as exc:
-            what = f"request {entry.id!r}" if not isinstance(entry, FinishSession) else "finish_session"
-            raise type(exc)(f"{source}:{entry.line}: {what}: {exc}") from None
+            raise type(exc)(f"{source}:{entry.line}: {_what(entry)}: {exc}") from None
         m = gen.metrics()
         result = {"id": entry.id, "line": entry.line, "session": entry.session, "prompt_tokens": len(ids),
                   "cached_tokens": gen.cached_tokens, "approximate_tokens": gen.placed_tokens, "tokens": gen.tokens,
@@ -196,3 +201,46 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
         if on_result is not None:
             on_result(result)
     return results
+
+
+def _what(entry) -> str:
+    from kvc.cache.requests import FinishSession
+
+    return "finish_session" if isinstance(entry, FinishSession) else f"request {entry.id!r}"
+
+
+def preflight(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>") -> list:
+    """Each entry's prompt ids (None for `finish_session`), every request checked as `replay`
+    will run it, before any runs: a text prompt needs a tokenizer; the prompt must fit the
+    pipeline (`StaticPipeline.check_fits`: ids in the vocabulary, at most P tokens, the new
+    tokens within the capacity; a session's turn is its whole history); retention ranges
+    inside the prompt; `finish_session` of a session open at that line. A workload that
+    failed at its seventh request used to have run six, with no events file written and no
+    table printed."""
+    from kvc.cache.requests import FinishSession
+
+    open_sessions = set(pipe.sessions)
+    prompts = []
+    for entry in entries:
+        try:
+            if isinstance(entry, FinishSession):
+                if entry.session not in open_sessions:
+                    raise UsageError(f"no chat session {entry.session!r} is open")
+                open_sessions.discard(entry.session)
+                prompts.append(None)
+                continue
+            ids = entry.prompt_ids
+            if ids is None:
+                if encode is None:
+                    raise UsageError("a text prompt needs the model's tokenizer")
+                ids = encode(entry.prompt)
+            prompt = prompt_array(ids)
+            check_fits(pipe.pipeline, prompt, entry.max_new_tokens, entry.session)
+            if entry.retention is not None:
+                entry.retention.check(len(prompt))
+            if entry.session is not None:
+                open_sessions.add(entry.session)
+            prompts.append(ids)
+        except UsageError as exc:
+            raise type(exc)(f"{source}:{entry.line}: {_what(entry)}: {exc}") from None
+    return prompts

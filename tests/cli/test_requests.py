@@ -118,6 +118,41 @@ def test_runtime_errors_name_the_request_and_line(chunked, tmp_path):
     assert "l.jsonl:1: request 'big': chat session 's': the history of 79 tokens no longer fits" in out
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"id": "v", "prompt_ids": [1, 2, 100000]}, "w.jsonl:5: request 'v': token id 100000 at position 2"),
+    ({"id": "p", "prompt_ids": list(range(1, 70))}, "w.jsonl:5: request 'p': prompt of 69 tokens does not fit"),
+    ({"id": "t", "prompt_ids": [7, 7, 7, 7, 7, 1], "session": "s"}, "w.jsonl:5: request 't': .*exceed the KV capacity"),
+    ({"finish_session": "s"}, "w.jsonl:5: finish_session: no chat session 's' is open"),
+])
+def test_errors_only_the_model_finds_are_found_before_any_request_runs(chunked, tmp_path, bad, message):
+    """A workload that failed at its fifth request had run four: their tokens, the cache's
+    blocks and the KV events were lost (no table, no events file), and a long replay's time
+    with them. Every request is now checked as it will run before any runs; a session closed
+    and opened again by a later turn is no error."""
+    from kvc.cache.prefix import PrefixCache
+    from kvc.cache.requests import read_requests
+    from kvc.cache.serving import CachedPipeline, replay
+    from kvc.export.load import open_compiled
+
+    if "capacity" in message:
+        bad = {**bad, "max_new_tokens": 200}
+    path = workload(tmp_path / "w.jsonl", [
+        {"id": "a", "prompt_ids": SYSTEM, "max_new_tokens": 2},
+        {"id": "s1", "prompt_ids": [7, 7, 7, 7, 7], "max_new_tokens": 2, "session": "s"},
+        {"finish_session": "s"},
+        # opens "s" again, but for the case where finishing it is the fault
+        {"id": "b", "prompt_ids": [7, 7], "max_new_tokens": 2, **({} if "finish" in message else {"session": "s"})},
+        bad])
+    served = CachedPipeline(open_compiled(chunked, "numpy"), PrefixCache(16, 8))
+    ran = []
+    with pytest.raises(UsageError, match=message):
+        replay(served, read_requests(path), source="w.jsonl", on_result=ran.append)
+    assert ran == [] and served.cache.stats.prompt_tokens == 0 and not served.sessions
+    assert "TTFT" not in kvc("run", chunked, "--requests", path, "--prefix-cache", code=2).output
+    good = workload(tmp_path / "g.jsonl", path.read_text().splitlines()[:-1])  # without the bad line it runs
+    assert len(json.loads(kvc("run", chunked, "--requests", good, "--json").output)["requests"]) == 3
+
+
 def test_prefix_cache_needs_a_chunked_prefill_and_the_options_need_requests(tmp_path):
     out = tmp_path / "whole"
     kvc("compile", "--max-prompt-len", "64", "--min-response-len", "64", "--prefill-chunk-size", "0", "-o", out)
