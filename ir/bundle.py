@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from kvc.ir.reader import bodies
 from kvc.ir.weights_stream import Origin as _Origin
 from kvc.ir.weights_stream import Segment as _Segment
 from kvc.ir.weights_stream import Stream as _Stream
@@ -113,15 +114,6 @@ _Distinct = dict[_Key, tuple[np.ndarray, "_Origin | None"]]
 _BODY_OPS = ("If", "Loop", "TensorIterator")
 
 
-def _bodies(node: ov.Node) -> list[ov.Model]:
-    kind = node.get_type_name()
-    if kind == "If":
-        return [node.get_then_body(), node.get_else_body()]
-    if kind in ("Loop", "TensorIterator"):
-        return [node.get_function()]
-    return []
-
-
 def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings, ops: list[ov.Node] | None = None,
                seen: dict[tuple[int, int], _Key] | None = None) -> list[tuple[ov.Node, _Key, bool]]:
     """`model`'s Constants, those of If/Loop bodies included, with their identities and whether
@@ -139,7 +131,7 @@ def _constants(model: ov.Model, distinct: _Distinct, mappings: _Mappings, ops: l
             kind = node.get_type_name()
             if kind != "Constant":
                 if kind in _BODY_OPS:
-                    for body in _bodies(node):
+                    for body in bodies(node):
                         visit(body, False)
                 continue
             data, size = node.get_data(), node.get_byte_size()

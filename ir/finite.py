@@ -16,6 +16,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import InvalidModelError
+from kvc.ir.reader import bodies
 
 # bf16 has no numpy type: its NaNs are found in the bits (exponent all ones, mantissa not zero).
 _BF16_EXPONENT, _BF16_MANTISSA = 0x7F80, 0x007F
@@ -49,13 +50,5 @@ def _constants(model: ov.Model):
     for node in model.get_ordered_ops():
         if node.get_type_name() == "Constant":
             yield node
-        if hasattr(node, "get_function"):  # If, Loop, TensorIterator bodies
-            for i in range(_bodies(node)):
-                yield from _constants(node.get_function(i))
-
-
-def _bodies(node) -> int:
-    try:
-        return node.get_internal_subgraphs_size()
-    except (AttributeError, RuntimeError):
-        return 1
+        for body in bodies(node):
+            yield from _constants(body)

@@ -194,10 +194,11 @@ def _labels(model: ov.Model, candidates: list[_Candidate], file: str) -> list[tu
     if all(labels):
         return labels  # type: ignore[return-value]
     by_source = {_key(c.source): i for i, c in enumerate(candidates)}
-    layer = 0
+    layer = attentions = 0
     for node in model.get_ordered_ops():
         if node.get_type_name() != "ScaledDotProductAttention":
             continue
+        attentions += 1
         hit = False
         for port, kind in ((1, "key"), (2, "value")):
             src = _trace_to_source(node.input_value(port), by_source)
@@ -206,6 +207,13 @@ def _labels(model: ov.Model, candidates: list[_Candidate], file: str) -> list[tu
                 hit = True
         layer += hit
     missing = [c.variable_id or c.input_name for c, lab in zip(candidates, labels) if lab is None]
+    if missing and attentions and any(labels):
+        raise InvalidModelError(
+            "not-kv-state", file, "the model keeps state that no attention reads: kvc compiles attention KV "
+            "caches, and a recurrent state (a Mamba layer's convolution and SSM states, as in granitemoehybrid, "
+            "falcon_h1, jamba, lfm2) has no static form of its own: a padded prompt would run its pad rows "
+            "through the scan", expected=f"states read by the model's {attentions} attention ops as key or value",
+            found=", ".join(map(str, missing)))
     if missing:
         raise InvalidModelError("kv-unlabelled", file, "cannot tell the layer and key/value of some KV tensors",
                                 expected="names like past_key_values.N.key or ScaledDotProductAttention consumers",

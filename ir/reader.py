@@ -135,3 +135,14 @@ def _load(files: ModelFiles, validate: bool, consts_found, mapped: ov.Tensor | N
         # Validation passed, so this is a semantic problem (unknown op, bad attribute).
         raise InvalidModelError("openvino-rejected", str(files.model),
                                 f"OpenVINO cannot read this model: {openvino_reason(exc)}") from None
+
+
+def bodies(node: ov.Node) -> list[ov.Model]:
+    """The bodies of an If (then, else), a Loop or a TensorIterator; [] for any other node.
+    (A Loop's `get_function` takes no index, an If's takes one.)"""
+    kind = node.get_type_name()
+    if kind == "If":
+        return [node.get_then_body(), node.get_else_body()]
+    if kind in ("Loop", "TensorIterator"):
+        return [node.get_function()]
+    return []

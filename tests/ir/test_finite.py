@@ -54,3 +54,19 @@ def test_a_nan_inside_an_if_body_is_found():
     model = ov.Model([branch.set_output(tr, er)], [x, cond])
     with pytest.raises(InvalidModelError, match="1 NaN of 2"):
         check_no_nan_weights(model, "model.xml")
+
+
+def test_a_nan_inside_a_loop_body_is_found():
+    """A Loop's `get_function` takes no index: the walk crashed (exit 1, an internal error) on
+    every model with one, as a Mamba layer's scan (granitemoehybrid) has."""
+    x = ops.parameter([2], np.float32)
+    p, count, cond = ops.parameter([2], np.float32), ops.parameter([], np.int64), ops.parameter([], ov.Type.boolean)
+    body_out = ops.result(ops.multiply(p, ops.constant(np.array([2.0, np.nan], np.float32))))
+    body = ov.Model([body_out, ops.result(ops.constant(True))], [p, count, cond])
+    loop = ops.loop(ops.constant(np.int64(3)), ops.constant(True))
+    loop.set_function(body)
+    loop.set_special_body_ports([-1, 1])
+    loop.set_merged_input(p, x.output(0), body_out.output(0))
+    model = ov.Model([loop.get_iter_value(body_out.output(0), -1)], [x])
+    with pytest.raises(InvalidModelError, match="1 NaN of 2"):
+        check_no_nan_weights(model, "model.xml")
