@@ -194,7 +194,8 @@ def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover
     if not L.chunk:
         raise ChunkReuseRefused("chunk reuse needs a chunked prefill (compile with --prefill-chunk-size)")
     if not pipeline.prefill.has_input("position_ids"):
-        raise ChunkReuseRefused("this model has no position_ids input (positions come from the mask, e.g. ALiBi): "
+        raise ChunkReuseRefused("this model has no position_ids input (its positions come from the mask: ALiBi, or "
+                                "GPT-NeoX-Japanese's rotary positions): "
                                 "kvc cannot shift a chunk to check that its rows move, so chunk reuse is refused")
     if any(s.kind.endswith("_scale") for s in pipeline.kv):
         raise ChunkReuseRefused("chunk reuse with int8 KV is not supported (moving keys needs them dequantized)")

@@ -29,6 +29,12 @@ is masked by attention_mask); anything that measures a distance is wrong. Three 
   which under the static contract are the token positions of every valid slot and never
   exceed ``p_last`` on pad slots (the index stays in range; pad slots are masked anyway).
 
+* ``mask-positions/slot-positions`` (a rotary model without ``position_ids``, e.g.
+  GPT-NeoX-Japanese): transformers then takes the positions from ``cache_position =
+  arange(q_len) + past_len``, slots again. Where that vector feeds anything but a comparison
+  (the rotary MatMul, a cos/sin table's Gather), it becomes the token positions
+  ``cumsum(mask)[-q_len:] - 1``; its comparisons (causal, over slots) keep it.
+
 Positions come from ``position_ids`` when the model has it, else from the attention mask
 (``cumsum(mask) - 1``: ALiBi models without position_ids). Models with none of these
 patterns are left unchanged.
@@ -184,6 +190,47 @@ def _right_aligned_table(node: ov.Node, mask_len: int) -> tuple[ov.Node, int]:
     return node, axis
 
 
+def _to_compare(inp: ov.Input) -> bool:
+    """Whether the consumer `inp` reaches a comparison through Unsqueeze, Reshape, Squeeze,
+    Convert and constant offsets alone."""
+    node = inp.get_node()
+    for _ in range(16):
+        kind = node.get_type_name()
+        if kind in _COMPARE:
+            return True
+        if not (kind in _THROUGH or (kind in _OFFSET and node.input_value(1).get_node().get_type_name() == "Constant")):
+            return False
+        targets = [t for o in node.outputs() for t in o.get_target_inputs()]
+        if len(targets) != 1:
+            return False
+        node = targets[0].get_node()
+    return False
+
+
+def _slot_positions(node: ov.Node, steps: int) -> tuple[ov.Node, list[ov.Input]]:
+    """An integer Add of ``arange(0, steps)`` and a non-constant scalar (the past's length:
+    transformers' ``cache_position`` when the model takes no ``position_ids``), and its
+    consumers that do not compare it: (the Add, those consumers)."""
+    if not node.get_output_element_type(0).is_integral():
+        raise NoMatch("it is not an integer Add")
+    sides = [node.input_value(i) for i in (0, 1)]
+    ranges = [i for i, side in enumerate(sides) if side.get_node().get_type_name() == "Range"]
+    if len(ranges) != 1:
+        raise NoMatch("it does not add one Range")
+    rng, offset = sides[ranges[0]].get_node(), sides[1 - ranges[0]]
+    if constant_ints(rng.input_value(0)) != [0] or constant_ints(rng.input_value(2)) != [1]:
+        raise NoMatch("its Range does not count from 0 by 1")
+    if _length(sides[ranges[0]]) != steps:
+        raise NoMatch(f"its Range is not this step's {steps} indices")
+    shape = offset.get_partial_shape()
+    if not shape.is_static or int(np.prod(list(shape.to_shape()))) != 1 or _constant_expr(offset):
+        raise NoMatch("the Range is not offset by a computed scalar (the past's length)")
+    consumers = [t for t in node.output(0).get_target_inputs() if not _to_compare(t)]
+    if not consumers:
+        raise NoMatch("it only feeds comparisons (slot order is position order)")
+    return node, consumers
+
+
 @register_pass
 @dataclass(frozen=True)
 class MaskPositions(Pass):
@@ -208,11 +255,14 @@ class MaskPositions(Pass):
                 compares = []  # causal-only comparisons mean the same on slots and positions
         bands = Rule("mask-positions/band-table", anchors=("Slice",),
                      match=lambda n: _band_table(n, steps, mask_len)).matches(nodes)
-        right = []
+        right = slots = []
         if "attention_mask" in ports:
             right = Rule("mask-positions/right-aligned-table", anchors=("Slice",),
                          match=lambda n: _right_aligned_table(n, mask_len)).matches(nodes)
-        if not (compares or bands or right):
+        if "attention_mask" in ports and "position_ids" not in ports:
+            slots = Rule("mask-positions/slot-positions", anchors=("Add",),
+                         match=lambda n: _slot_positions(n, steps)).matches(nodes)
+        if not (compares or bands or right or slots):
             log.debug("mask-positions: no slot-indexed window or table; unchanged")
             return PassResult(model, False)
         positions, kv_positions, counts, mask = _positions(ports, steps, mask_len, need_counts=bool(right))
@@ -239,6 +289,14 @@ class MaskPositions(Pass):
             gathered.set_friendly_name(f"{node.get_friendly_name()}/by_position")
             node.output(0).replace(gathered.output(0))
             log.debug("mask-positions: %s now indexes its table by position distance", describe_node(node))
+        for node, consumers in slots:
+            # the slots of this step's rows, M - q .. M - 1, are the token positions counts - 1
+            by_position = ops.convert(positions, node.get_output_element_type(0))
+            by_position.set_friendly_name(f"{node.get_friendly_name()}/by_position")
+            for consumer in consumers:
+                consumer.replace_source_output(by_position.output(0))
+            log.debug("mask-positions: %s now gives token positions to %d consumers", describe_node(node),
+                      len(consumers))
         model.validate_nodes_and_infer_types()
         return PassResult(model, True)
 

@@ -22,6 +22,10 @@ Query i of this step sits in key slot S - L + i; ``own[i, S - L + i]`` is true.
 - float-mask: ``Select(own, Maximum(mask, F16_LOWEST), mask)``: the own slot is raised to at
   least -65504, finite in f32, f16 and bf16, and every other entry is untouched.
 
+- eager-softmax: attention written out (MatMul, Add of the mask, Softmax, MatMul: XGLM,
+  GPT-NeoX-Japanese) has no mask input to edit; the Softmax over [.., L, S] scores (L this
+  step's rows, S the mask's slots) reads ``Select(own, Maximum(x, F16_LOWEST), x)`` instead.
+
 A valid query already attends to its own slot with a finite bias, so valid rows are unchanged
 (bit for bit); only rows whose outputs nobody reads (pad rows) change. One ``own`` constant
 is shared by every attention of a model with the same L and S.
@@ -60,7 +64,10 @@ def _masked_sdpa(node: ov.Node, *, boolean: bool) -> ov.Node:
 def _own_slot(sdpa: ov.Node, cache: dict) -> ov.Output:
     """The [L, S] boolean table of query i's own key slot S - L + i (shared per L, S)."""
     q, k = sdpa.get_input_partial_shape(0), sdpa.get_input_partial_shape(1)
-    L, S = q[q.rank.get_length() - 2].get_length(), k[k.rank.get_length() - 2].get_length()
+    return _own_table(q[q.rank.get_length() - 2].get_length(), k[k.rank.get_length() - 2].get_length(), cache)
+
+
+def _own_table(L: int, S: int, cache: dict) -> ov.Output:
     if (L, S) not in cache:
         own = np.zeros((L, S), bool)
         own[np.arange(L), np.arange(S - L, S)] = True
@@ -78,22 +85,45 @@ def _unmask_bool(sdpa: ov.Node, cache: dict) -> None:
     log.debug("unmask-pad-rows: %s", describe_node(sdpa))
 
 
+def _raise_own(node: ov.Node, port: int, own: ov.Output) -> None:
+    """Input `port` of `node` reads Select(own, max(x, F16_LOWEST), x): the own slot is finite
+    in every precision."""
+    x = node.input_value(port)
+    floor = ops.constant(np.array(F16_LOWEST, x.get_element_type().to_dtype()))
+    unmasked = ops.select(own, ops.maximum(x, floor), x)
+    unmasked.set_friendly_name(f"{node.get_friendly_name()}/own_slot")
+    node.input(port).replace_source_output(unmasked.output(0))
+    log.debug("unmask-pad-rows: %s", describe_node(node))
+
+
 def _unmask_float(sdpa: ov.Node, cache: dict) -> None:
-    """Select(own, max(mask, F16_LOWEST), mask): the own slot is finite in every precision."""
-    mask = sdpa.input_value(3)
-    floor = ops.constant(np.array(F16_LOWEST, mask.get_element_type().to_dtype()))
-    raised = ops.maximum(mask, floor)
-    unmasked = ops.select(_own_slot(sdpa, cache), raised, mask)
-    unmasked.set_friendly_name(f"{sdpa.get_friendly_name()}/own_slot")
-    sdpa.input(3).replace_source_output(unmasked.output(0))
-    log.debug("unmask-pad-rows: %s", describe_node(sdpa))
+    _raise_own(sdpa, 3, _own_slot(sdpa, cache))
 
 
-def _rules(cache: dict) -> tuple[Rule, Rule]:
-    return (Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",),
-                 match=partial(_masked_sdpa, boolean=True), rewrite=partial(_unmask_bool, cache=cache)),
-            Rule("unmask-pad-rows/float-mask", anchors=("ScaledDotProductAttention",),
-                 match=partial(_masked_sdpa, boolean=False), rewrite=partial(_unmask_float, cache=cache)))
+def _eager_softmax(node: ov.Node, steps: int, slots: int) -> ov.Node:
+    """A last-axis Softmax over floating [.., steps, slots] scores: written-out attention."""
+    shape = node.get_input_partial_shape(0)
+    if not node.get_input_element_type(0).is_real() or shape.rank.is_dynamic or shape.rank.get_length() < 3:
+        raise NoMatch("its input is not floating-point scores of rank 3 or more")
+    r = shape.rank.get_length()
+    if node.get_attributes().get("axis") not in (-1, r - 1):
+        raise NoMatch("it is not over the last axis")
+    if not (shape[r - 2].is_static and shape[r - 1].is_static) or \
+            (shape[r - 2].get_length(), shape[r - 1].get_length()) != (steps, slots):
+        raise NoMatch(f"its scores are {shape}, not [.., {steps}, {slots}] (this step's rows, the mask's slots)")
+    return node
+
+
+def _rules(cache: dict, steps: int | None, slots: int | None) -> tuple[Rule, ...]:
+    rules = (Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",),
+                  match=partial(_masked_sdpa, boolean=True), rewrite=partial(_unmask_bool, cache=cache)),
+             Rule("unmask-pad-rows/float-mask", anchors=("ScaledDotProductAttention",),
+                  match=partial(_masked_sdpa, boolean=False), rewrite=partial(_unmask_float, cache=cache)))
+    if steps is None:
+        return rules
+    return rules + (Rule("unmask-pad-rows/eager-softmax", anchors=("Softmax",),
+                         match=lambda n: _eager_softmax(n, steps, slots),
+                         rewrite=lambda n: _raise_own(n, 0, _own_table(steps, slots, cache))),)
 
 
 @register_pass
@@ -105,8 +135,13 @@ class UnmaskPadRows(Pass):
     requires: ClassVar[tuple[str, ...]] = ("static",)
 
     def run(self, model: ov.Model) -> PassResult:
+        ports = {p.get_any_name(): p for p in model.inputs}
+        token = ports.get("input_ids") or ports.get("inputs_embeds")
+        steps = slots = None
+        if token is not None and "attention_mask" in ports and token.get_partial_shape().is_static:
+            steps, slots = token.get_shape()[1], ports["attention_mask"].get_shape()[-1]
         ops_ = model.get_ordered_ops()
-        rewritten = sum(rule.apply(ops_) for rule in _rules({}))
+        rewritten = sum(rule.apply(ops_) for rule in _rules({}, steps, slots))
         if rewritten:
             model.validate_nodes_and_infer_types()
         return PassResult(model, rewritten > 0)

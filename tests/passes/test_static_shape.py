@@ -245,13 +245,15 @@ def _mask_positions(name):
 def test_mask_positions_applies_only_to_slot_indexed_masks_and_biases():
     """Each of its rules fires where the export measures a distance on cache slots, and
     nothing changes where slot order is all that matters."""
-    hits = {name: (r.modified, r.rule_hits) for name in ("mistral", "gpt_neo", "mpt", "llama", "bloom")
-            for r in [_mask_positions(name)]}
+    hits = {name: (r.modified, r.rule_hits) for name in ("mistral", "gpt_neo", "mpt", "llama", "bloom",
+                                                         "gpt_neox_japanese") for r in [_mask_positions(name)]}
     assert hits["mistral"] == (True, {"mask-positions/index-compare": 2})  # sliding window + causal
     assert hits["gpt_neo"][0] and hits["gpt_neo"][1]["mask-positions/band-table"] == 1  # the local layer only
     assert hits["mpt"] == (True, {"mask-positions/right-aligned-table": 1})  # one ALiBi table for all layers
     assert hits["llama"] == (False, {"mask-positions/index-compare": 1})  # causal only: kept
     assert hits["bloom"] == (False, {})  # ALiBi from cumsum(attention_mask) already follows positions
+    # rotary positions from arange(q) + the past's length, one cache_position for all layers
+    assert hits["gpt_neox_japanese"] == (True, {"mask-positions/slot-positions": 1})
 
 
 def test_mask_positions_says_why_a_causal_band_table_is_kept():
@@ -259,7 +261,7 @@ def test_mask_positions_says_why_a_causal_band_table_is_kept():
     assert any("plain causal (tril): slot order is position order" in reason for _, _, reason in misses)
 
 
-@pytest.mark.parametrize("name", ["gpt_neo", "mpt"])
+@pytest.mark.parametrize("name", ["gpt_neo", "mpt", "gpt_neox_japanese"])
 def test_without_mask_positions_the_static_models_compute_something_else(name, monkeypatch):
     """The rules are what makes these models right under the static contract: the same
     pipeline without mask-positions diverges from the stateful model."""
@@ -364,3 +366,37 @@ def test_pin_rows_refuses_an_output_with_two_dimensions_that_follow_the_rows():
     assert name == "outputs-but-rows" and "is dynamic (shape [?,?]) beyond its rows; run pin-rows" in reason
     with pytest.raises(PassFailure, match=r"2 of its dimensions follow the rows \(\[1, 1\] with one row, \[2, 2\]"):
         PassManager([PinRows()], use_env=False).run(model)
+
+
+def test_slot_positions_feed_rotary_positions_and_keep_causal_comparisons():
+    """`cache_position = arange(q) + past_len` (a model without position_ids): its rotary
+    consumer reads the token positions, cumsum(mask)[-q:] - 1, and its comparison with the
+    key slots (causal: slot order is position order) keeps the slots."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from kvc.runtime.session import NumpySession
+
+    ids = ops.parameter([1, 4], np.int64, name="input_ids")
+    mask = ops.parameter([1, 8], np.int64, name="attention_mask")
+    past = ops.parameter([1, 1, 4, 2], np.float32, name="past_key_values.0.key")
+    for p in (ids, mask, past):
+        p.output(0).set_names({p.get_friendly_name()})
+    i64 = lambda v: ops.constant(np.array(v, np.int64))  # noqa: E731
+    past_len = ops.gather(ops.shape_of(past), i64(2), i64(0))
+    steps = ops.gather(ops.shape_of(ids), i64(1), i64(0))
+    cache_position = ops.add(ops.range(i64(0), steps, i64(1), output_type="i64"), past_len)
+    rotary = ops.matmul(ops.convert(ops.unsqueeze(cache_position, i64(1)), "f32"),
+                        ops.constant(np.ones((1, 1), np.float32)), False, False)
+    causal = ops.less_equal(ops.range(i64(0), i64(8), i64(1), output_type="i64"),
+                            ops.unsqueeze(cache_position, i64(1)))
+    rotary.output(0).set_names({"rotary"})
+    causal.output(0).set_names({"causal"})
+    model = ov.Model([rotary, causal, ops.reduce_sum(past, i64([0, 1, 2, 3]))], [ids, mask, past])
+    record = PassManager(parse_pipeline("mask-positions"), use_env=False).run(model)
+    assert record.records[0].rule_hits == {"mask-positions/slot-positions": 1}
+    out = NumpySession(record.model).infer({
+        "input_ids": np.ones((1, 4), np.int64), "past_key_values.0.key": np.zeros((1, 1, 4, 2), np.float32),
+        "attention_mask": np.array([[1, 1, 0, 0, 0, 1, 1, 1]])})  # two past tokens, a pad row, three new
+    assert out["rotary"].reshape(-1).tolist() == [1.0, 2.0, 3.0, 4.0]  # the pad row's position is any
+    assert out["causal"].sum(axis=1).tolist() == [5, 6, 7, 8]  # still slots 4..7
