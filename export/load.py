@@ -144,7 +144,8 @@ class _Imports:
                                                              device, config)
         except RuntimeError as exc:
             reason = openvino_reason(exc)
-            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}{_import_hint(reason)}") from None
+            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}"
+                              f"{_import_hint(reason, blob, self.manifest['models'])}") from None
         if "branches" in blob:
             entries = {m: self.manifest["models"][m] for m in blob["branches"]}
             check_ports(directory, "+".join(blob["branches"]), branch_ports(entries), compiled.inputs, compiled.outputs)
@@ -153,14 +154,23 @@ class _Imports:
         return compiled
 
 
-def _import_hint(reason: str) -> str:
+def _import_hint(reason: str, blob: dict, models: dict) -> str:
     """What to do about an import failure kvc knows (`resolve_first_rows`): the CPU plugin
-    2026.4.1 compiles a mixture of experts over dynamic rows into its internal GatherMatmul,
-    then cannot import that blob."""
-    if "GatherMatmul" in reason and "unsupported opset" in reason:
+    2026.4.1 compiles some mixtures of experts into its internal GatherMatmul, then cannot
+    import that blob: Qwen3-MoE's over a first chunk of dynamic rows, AFMoE's (experts beside
+    a shared expert) in any body of a chain of prefill models (`kvc.export.branches`), though
+    it imports the same static models compiled alone."""
+    if "GatherMatmul" not in reason or "unsupported opset" not in reason:
+        return ""
+    chain = blob.get("branches", ())
+    if any(-1 in port["shape"] for m in chain for port in models[m]["inputs"]):
         return ("; this CPU plugin cannot import the mixture of experts it compiled over a first chunk of dynamic "
                 "rows: compile with --prefill-first-rows static (auto is static for a model with a TopK router)")
-    return ""
+    if not chain:
+        return ""
+    return ("; this CPU plugin cannot import the mixture of experts it compiled into a chain of prefill models "
+            f"({' + '.join(chain)}), though it imports them compiled apart: compile with --prefill-first 0 and one "
+            "--prefill-chunk-size (one prefill model, a blob of its own)")
 
 
 def _ir_config(blob: dict | None, device: str) -> dict:
