@@ -280,14 +280,22 @@ class Peer:
         peer = self.run(prompt, new_tokens, getattr(exact, "origin", 0), getattr(exact, "filled", False))
         if not hasattr(exact, "kv_rows"):  # not a static pipeline's run: its cache is the source's layout
             peer = dataclasses.replace(peer, cache=None)
+        div = None if got is None else first_divergence(exact.tokens, got.tokens)
+        measured_exact, measured_peer = exact, peer
+        if div is not None and div + 1 < len(exact.tokens):
+            # Over the steps the judged run is measured on: `judge` compares it up to its first
+            # divergent token, and a router's flip at that step, diluted over the peer's 16 steps,
+            # set a bound a quarter of the same flip's over that one step (gpt_oss at P 1024: the
+            # blob and the peer both 0.061 at step 0, the peer 0.014 over 16 steps).
+            measured_exact, measured_peer = (dataclasses.replace(g, tokens=g.tokens[:div + 1], logits=g.logits[:div + 1])
+                                             for g in (exact, peer))
         # The peer's run as the reference (its cache in the source's layout, as compare_cache
         # reads a reference), the exact run as the run measured: the same distance either way
         # round but for the denominator (the peer's RMS instead of the exact run's).
         unbounded = None if step_bound is None else float("inf")
-        row = judge_run(peer, exact, kv, reduced=True, limit=float("inf"), step_bound=unbounded,
+        row = judge_run(measured_peer, measured_exact, kv, reduced=True, limit=float("inf"), step_bound=unbounded,
                         row_bounds=_UNBOUNDED)
         noise, same = None, False
-        div = None if got is None else first_divergence(exact.tokens, got.tokens)
         if div is not None and div < min(len(got.tokens), len(exact.logits)):
             noise, own = logit_noise(exact, peer, div)
             same = own == div and peer.tokens[div] == got.tokens[div]

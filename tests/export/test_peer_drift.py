@@ -258,3 +258,34 @@ def test_a_router_over_a_rounded_cache_may_leave_the_roundings_bounds_on_a_quart
     assert [r["ok"] for r in two] == [True, False, False, True] and "on 2 of 4 probes" in two[1]["reason"]
     failed = few_past_rounding(rows(False, True, True, True), narrow)  # past the wide bounds: failed as it was
     assert failed[0]["reason"] == "wide 0" and not failed[0]["ok"]
+    narrow = [{"ok": ok, "reason": f"narrow {i}"} for i, ok in enumerate((False, True, True, True))]
+    same = {"ok": True, "reason": "as the peer"}  # past both, and the rounding's own run of the source turned alike
+    turned = few_past_rounding(rows(False, True, True, True), narrow, lambda i: same)
+    assert all(r["ok"] for r in turned) and "as the peer" in turned[0]["reason"]
+    narrow[1]["ok"] = False  # and a second probe past the rounding: more than a quarter
+    assert [r["ok"] for r in few_past_rounding(rows(False, True, True, True), narrow, lambda i: same)][:2] == [False, False]
+    narrow[1]["ok"] = True
+    assert not few_past_rounding(rows(False, True, True, True), narrow, lambda i: {"ok": False, "reason": "-"})[0]["ok"]
+    assert not few_past_rounding(rows(False, True, True, True), narrow, lambda i: None)[0]["ok"]  # no peer ran
+
+
+def test_the_peer_is_measured_over_the_steps_the_judged_run_is_measured_on():
+    """`judge` measures a run that chose another token up to that token. The peer's drift was
+    measured over all its steps, so a router's flip at step 0, alike in the peer's run and in
+    the blob's, was diluted over the peer's 16 steps: gpt_oss's correct CPU blobs at P 1024
+    (both 0.061 at step 0, the peer 0.014 over 16 steps) were refused by `kvc verify`."""
+    from kvc.runtime.compare import nrmse
+    from kvc.runtime.generate import Generation
+    from kvc.verify.peer_drift import Peer
+
+    rng = np.random.default_rng(0)
+    steps = [rng.standard_normal(64).astype(np.float32) for _ in range(16)]
+    exact = Generation([1, 2, 3], [int(np.argmax(s)) for s in steps], steps)
+    moved = [steps[0] + 0.3 * rng.standard_normal(64).astype(np.float32)] + [s + 1e-4 for s in steps[1:]]
+    peer = Peer(fixtures.path("llama"), {"INFERENCE_PRECISION_HINT": "bf16"}, ["bf16"])
+    peer.run = lambda *args: Generation([1, 2, 3], list(exact.tokens), moved)
+    got = Generation([1, 2, 3], [(exact.tokens[0] + 1) % 64] + exact.tokens[1:], moved)
+    over_one = peer.drift(exact, [1, 2, 3], 16, [], None, got).nrmse
+    over_all = peer.drift(exact, [1, 2, 3], 16, [], None, None).nrmse  # a run that kept every token
+    assert over_one > 3 * over_all
+    assert over_one == pytest.approx(nrmse(moved[0], steps[0]), rel=1e-3)  # step 0's alone

@@ -223,5 +223,5 @@ def test_a_router_over_a_rounded_cache_keeps_the_roundings_bounds_on_most_probes
     args = ("compile", fixtures.path("qwen3_moe"), "-o", tmp_path / "out", *SMALL, "--device", "NPU")
     result = kvc(*args, code=4)
     assert applied.edits and "past the bounds of the cache's rounding on" in result.output
-    monkeypatch.setattr(compiled, "few_past_rounding", lambda rows, narrow: rows)
+    monkeypatch.setattr(compiled, "few_past_rounding", lambda rows, narrow, rounded=None: rows)
     kvc(*args)  # what a router's bounds alone publish
