@@ -605,6 +605,41 @@ def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
             assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], (backend, prompt["name"])
 
 
+@pytest.mark.parametrize("name", ["llama", "bloom", "gpt_oss"])
+def test_fp16_weights_compile_verify_and_run_from_blobs(name, tmp_path):
+    """`optimum-cli --weight-format fp16` saves the weights as f16 Constants each read through
+    a Convert to f32 (`ov.save_model(compress_to_fp16=True)`). Compiled exactly (f32 KV, f32 CPU
+    arithmetic), CPU and NPU blobs reproduce that model's own tokens on OpenVINO CPU f32, and the
+    published weights stay f16 (about half the fp32 fixture's)."""
+    import shutil
+
+    import openvino as ov
+
+    from kvc.export.load import open_compiled
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import open_session
+
+    source = tmp_path / "fp16"
+    shutil.copytree(fixtures.path(name), source, ignore=shutil.ignore_patterns("openvino_model.*"))
+    ov.save_model(ov.Core().read_model(fixtures.path(name) / "openvino_model.xml"), source / "openvino_model.xml",
+                  compress_to_fp16=True)
+    model = ov.Core().read_model(source / "openvino_model.xml")
+    assert any(op.get_type_name() == "Constant" and op.get_output_element_type(0) == ov.Type.f16
+               for op in model.get_ops())
+    out = tmp_path / "out"
+    manifest = compile_to(source, out, CompileOptions(StaticOptions(64, 64, kv_precision="f32"),
+                                                      devices=("CPU", "NPU"), inference_precision="f32"))
+    assert manifest["verification"]["ok"] and all(r["ok"] for r in manifest["blob_check"])
+    fp32 = (fixtures.path(name) / "openvino_model.bin").stat().st_size
+    assert (out / "weights.bin").stat().st_size < 0.6 * fp32
+    reference = open_session(source, "openvino")
+    for backend in ("openvino", "npu"):
+        pipe = open_compiled(out, backend)
+        for prompt in fixtures.goldens(name)["prompts"]:
+            want = greedy(reference, prompt["ids"], 16).tokens
+            assert pipe.generate(prompt["ids"], 16).tokens == want, (backend, prompt["name"])
+
+
 def test_a_mixture_of_experts_compiles_with_the_defaults(tmp_path):
     """qwen3_moe with kvc compile's defaults: a first chunk of dynamic rows made the CPU plugin
     export a blob it cannot import (its internal GatherMatmul), exit 5 on every default
