@@ -289,3 +289,19 @@ def test_the_peer_is_measured_over_the_steps_the_judged_run_is_measured_on():
     over_all = peer.drift(exact, [1, 2, 3], 16, [], None, None).nrmse  # a run that kept every token
     assert over_one > 3 * over_all
     assert over_one == pytest.approx(nrmse(moved[0], steps[0]), rel=1e-3)  # step 0's alone
+
+
+def test_a_probe_the_peer_flipped_too_is_no_blob_flip():
+    """`few_routers_flipped` counts the probes where a blob flipped a router the peer's run did
+    not: past 3x the peer's NRMSE. Capped at the non-selecting 0.05, a probe where the peer
+    drifted 0.061 itself (gpt_oss's 1024-token prompt at P 1024) counted as the blob's flip, and
+    two such probes of four refused correct blobs. A fault past 3x a quiet peer still counts."""
+    from kvc.verify.peer_drift import few_routers_flipped
+
+    def rows(*pairs):
+        return [{"ok": True, "nrmse": n, "peer_nrmse": p, "peer_precision": "bf16", "reason": "r"} for n, p in pairs]
+
+    assert all(r["ok"] for r in few_routers_flipped(rows((0.0613, 0.061), (0.062, 0.06), (0.002, 0.002),
+                                                         (0.003, 0.002))))
+    faulty = few_routers_flipped(rows((0.0613, 0.061), (0.01, 0.002), (0.012, 0.002), (0.003, 0.002)))
+    assert [r["ok"] for r in faulty] == [True, False, False, True] and "on 2 of 4 probes" in faulty[1]["reason"]
