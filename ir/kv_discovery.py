@@ -207,18 +207,32 @@ def _labels(model: ov.Model, candidates: list[_Candidate], file: str) -> list[tu
                 hit = True
         layer += hit
     missing = [c.variable_id or c.input_name for c, lab in zip(candidates, labels) if lab is None]
-    if missing and attentions and any(labels):
+    fixed = [_past_name(c) for c, lab in zip(candidates, labels) if lab is None and _fixed_size(c)]
+    if missing and len(fixed) == len(missing) and attentions and any(labels):
         raise InvalidModelError(
-            "not-kv-state", file, "the model keeps state that no attention reads: kvc compiles attention KV "
-            "caches, and a recurrent state (a Mamba layer's convolution and SSM states, as in granitemoehybrid, "
-            "falcon_h1, jamba, lfm2) has no static form of its own: a padded prompt would run its pad rows "
-            "through the scan", expected=f"states read by the model's {attentions} attention ops as key or value",
-            found=", ".join(map(str, missing)))
+            "not-kv-state", file, "the model keeps state that no attention reads and that does not grow along a "
+            "sequence: kvc compiles attention KV caches, and a recurrent state (a Mamba layer's convolution and "
+            "SSM states, as in granitemoehybrid, falcon_h1, jamba, lfm2) has no static form of its own: a padded "
+            "prompt would run its pad rows through the scan",
+            expected=f"states read as key or value by the model's {attentions} attention "
+                     f"op{'s' if attentions != 1 else ''}", found=", ".join(fixed))
     if missing:
         raise InvalidModelError("kv-unlabelled", file, "cannot tell the layer and key/value of some KV tensors",
                                 expected="names like past_key_values.N.key or ScaledDotProductAttention consumers",
                                 found=", ".join(map(str, missing)))
     return labels  # type: ignore[return-value]
+
+
+def _fixed_size(c: _Candidate) -> bool:
+    """A state no dimension of which but the batch is dynamic: a KV cache's sequence axis is."""
+    return sum(d.is_dynamic for d in c.source.get_partial_shape()) <= 1
+
+
+def _past_name(c: _Candidate) -> str:
+    """A state's name without the present name optimum appends to a variable's id
+    (`cache_params.past.conv.0cache_params.present.conv.0`)."""
+    name = c.variable_id or c.input_name or "<unnamed>"
+    return re.split(r"(?<=\d)(?=[A-Za-z_])", name, maxsplit=1)[0]
 
 
 def _key(output: ov.Output) -> tuple[ov.Node, int]:

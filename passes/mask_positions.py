@@ -31,9 +31,11 @@ is masked by attention_mask); anything that measures a distance is wrong. Three 
 
 * ``mask-positions/slot-positions`` (a rotary model without ``position_ids``, e.g.
   GPT-NeoX-Japanese): transformers then takes the positions from ``cache_position =
-  arange(q_len) + past_len``, slots again. Where that vector feeds anything but a comparison
-  (the rotary MatMul, a cos/sin table's Gather), it becomes the token positions
-  ``cumsum(mask)[-q_len:] - 1``; its comparisons (causal, over slots) keep it.
+  arange(q_len) + past_len`` (or ``arange(past_len, past_len + q_len)``), slots again. Where
+  that vector enters a positional encoding (converted to floating point for the rotary
+  MatMul, or indexing a cos/sin table) it becomes the token positions ``cumsum(mask)[-q_len:]
+  - 1``, on that path alone; its other uses (a causal comparison, a window's difference, a
+  mask table) keep the slots.
 
 Positions come from ``position_ids`` when the model has it, else from the attention mask
 (``cumsum(mask) - 1``: ALiBi models without position_ids). Models with none of these
@@ -190,45 +192,58 @@ def _right_aligned_table(node: ov.Node, mask_len: int) -> tuple[ov.Node, int]:
     return node, axis
 
 
-def _to_compare(inp: ov.Input) -> bool:
-    """Whether the consumer `inp` reaches a comparison through Unsqueeze, Reshape, Squeeze,
-    Convert and constant offsets alone."""
-    node = inp.get_node()
-    for _ in range(16):
-        kind = node.get_type_name()
-        if kind in _COMPARE:
-            return True
-        if not (kind in _THROUGH or (kind in _OFFSET and node.input_value(1).get_node().get_type_name() == "Constant")):
-            return False
-        targets = [t for o in node.outputs() for t in o.get_target_inputs()]
-        if len(targets) != 1:
-            return False
-        node = targets[0].get_node()
-    return False
+def _encoding_uses(out: ov.Output) -> list[tuple[ov.Input, list[ov.Node]]]:
+    """Where the index vector `out` enters a positional encoding: followed down through
+    Unsqueeze, Reshape, Squeeze and constant offsets on every path (a shared node forks it),
+    each input that turns it into floating point (a Convert to f32: the rotary MatMul,
+    sinusoids) or indexes a floating-point table (a Gather of cos/sin), with the nodes on the
+    way (nearest the input first, as `_rebuild` takes them). Every other use keeps the slots:
+    a comparison (causal order, a window's difference) or a boolean mask table."""
+    uses, stack = [], [(out, [])]
+    while stack:
+        current, path = stack.pop()
+        for target in current.get_target_inputs():
+            node = target.get_node()
+            kind = node.get_type_name()
+            if kind == "Convert" and node.get_output_element_type(0).is_real():
+                uses.append((target, path))
+            elif kind == "Gather" and target.get_index() == 1 and node.get_input_element_type(0).is_real():
+                uses.append((target, path))
+            elif len(path) < 16 and (kind in ("Unsqueeze", "Reshape", "Squeeze") and target.get_index() == 0 or (
+                    kind in _OFFSET and target.get_index() == 0
+                    and node.input_value(1).get_node().get_type_name() == "Constant")):
+                stack.append((node.output(0), [node, *path]))
+    return uses
 
 
-def _slot_positions(node: ov.Node, steps: int) -> tuple[ov.Node, list[ov.Input]]:
-    """An integer Add of ``arange(0, steps)`` and a non-constant scalar (the past's length:
-    transformers' ``cache_position`` when the model takes no ``position_ids``), and its
-    consumers that do not compare it: (the Add, those consumers)."""
+def _slot_positions(node: ov.Node, steps: int) -> tuple[ov.Node, list[tuple[ov.Input, list[ov.Node]]]]:
+    """transformers' ``cache_position`` in a model that takes no ``position_ids``: this step's
+    `steps` slot indices, ``arange(0, steps) + past_len`` (an integer Add of a Range from 0
+    by 1 and a computed scalar) or ``arange(past_len, past_len + steps)`` (a Range from a
+    computed scalar by 1), and where it enters a positional encoding (`_encoding_uses`)."""
     if not node.get_output_element_type(0).is_integral():
-        raise NoMatch("it is not an integer Add")
-    sides = [node.input_value(i) for i in (0, 1)]
-    ranges = [i for i, side in enumerate(sides) if side.get_node().get_type_name() == "Range"]
-    if len(ranges) != 1:
-        raise NoMatch("it does not add one Range")
-    rng, offset = sides[ranges[0]].get_node(), sides[1 - ranges[0]]
-    if constant_ints(rng.input_value(0)) != [0] or constant_ints(rng.input_value(2)) != [1]:
-        raise NoMatch("its Range does not count from 0 by 1")
-    if _length(sides[ranges[0]]) != steps:
-        raise NoMatch(f"its Range is not this step's {steps} indices")
-    shape = offset.get_partial_shape()
-    if not shape.is_static or int(np.prod(list(shape.to_shape()))) != 1 or _constant_expr(offset):
-        raise NoMatch("the Range is not offset by a computed scalar (the past's length)")
-    consumers = [t for t in node.output(0).get_target_inputs() if not _to_compare(t)]
-    if not consumers:
-        raise NoMatch("it only feeds comparisons (slot order is position order)")
-    return node, consumers
+        raise NoMatch("it is not an integer index vector")
+    if _length(node.output(0)) != steps:
+        raise NoMatch(f"it is not this step's {steps} indices")
+    if node.get_type_name() == "Range":
+        start, step = node.input_value(0), constant_ints(node.input_value(2))
+        if step != [1] or _constant_expr(start):
+            raise NoMatch("it is not a Range by 1 from a computed start (the past's length)")
+    else:
+        sides = [node.input_value(i) for i in (0, 1)]
+        ranges = [i for i, side in enumerate(sides) if side.get_node().get_type_name() == "Range"]
+        if len(ranges) != 1:
+            raise NoMatch("it does not add one Range")
+        rng, offset = sides[ranges[0]].get_node(), sides[1 - ranges[0]]
+        if constant_ints(rng.input_value(0)) != [0] or constant_ints(rng.input_value(2)) != [1]:
+            raise NoMatch("its Range does not count from 0 by 1")
+        shape = offset.get_partial_shape()
+        if not shape.is_static or int(np.prod(list(shape.to_shape()))) != 1 or _constant_expr(offset):
+            raise NoMatch("the Range is not offset by a computed scalar (the past's length)")
+    uses = _encoding_uses(node.output(0))
+    if not uses:
+        raise NoMatch("it enters no positional encoding (comparisons keep slot order, which is position order)")
+    return node, uses
 
 
 @register_pass
@@ -260,7 +275,7 @@ class MaskPositions(Pass):
             right = Rule("mask-positions/right-aligned-table", anchors=("Slice",),
                          match=lambda n: _right_aligned_table(n, mask_len)).matches(nodes)
         if "attention_mask" in ports and "position_ids" not in ports:
-            slots = Rule("mask-positions/slot-positions", anchors=("Add",),
+            slots = Rule("mask-positions/slot-positions", anchors=("Add", "Range"),
                          match=lambda n: _slot_positions(n, steps)).matches(nodes)
         if not (compares or bands or right or slots):
             log.debug("mask-positions: no slot-indexed window or table; unchanged")
@@ -289,14 +304,13 @@ class MaskPositions(Pass):
             gathered.set_friendly_name(f"{node.get_friendly_name()}/by_position")
             node.output(0).replace(gathered.output(0))
             log.debug("mask-positions: %s now indexes its table by position distance", describe_node(node))
-        for node, consumers in slots:
+        for node, uses in slots:
             # the slots of this step's rows, M - q .. M - 1, are the token positions counts - 1
             by_position = ops.convert(positions, node.get_output_element_type(0))
             by_position.set_friendly_name(f"{node.get_friendly_name()}/by_position")
-            for consumer in consumers:
-                consumer.replace_source_output(by_position.output(0))
-            log.debug("mask-positions: %s now gives token positions to %d consumers", describe_node(node),
-                      len(consumers))
+            for use, path in uses:
+                use.replace_source_output(_rebuild(path, by_position.output(0)))
+            log.debug("mask-positions: %s now gives token positions to %d encodings", describe_node(node), len(uses))
         model.validate_nodes_and_infer_types()
         return PassResult(model, True)
 

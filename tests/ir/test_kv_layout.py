@@ -69,17 +69,24 @@ def test_model_without_kv_cache_is_a_clear_error(tiny):
 
 def test_a_state_no_attention_reads_is_named_as_such():
     """A hybrid model (granitemoehybrid: Mamba layers beside attention) keeps convolution and
-    SSM states beside its KV cache. They were refused as KV tensors kvc could not label; they
-    are states kvc does not compile, and the error now says so."""
-    model = _seq_first_cache_model(seq_axis=2, names=True)
-    conv = ops.parameter([-1, 16, -1], np.float32, name="conv")
-    conv.output(0).set_names({"cache_params.past.conv.0"})
-    rows = ops.parameter([-1, 16, 1], np.float32, name="rows")
-    state = ops.concat([conv, rows], 2)
-    state.output(0).set_names({"cache_params.present.conv.0"})
-    model = ov.Model([*model.outputs, state.output(0)], [*model.get_parameters(), conv, rows], "hybrid")
+    SSM states of a fixed size beside its KV cache. They were refused as KV tensors kvc could
+    not label; they are states kvc does not compile, and the error says so, naming each by
+    its past name. A state that grows along a sequence (a KV cache kvc failed to trace to an
+    attention op) stays `kv-unlabelled`."""
+    def hybrid(conv_shape):
+        model = _seq_first_cache_model(seq_axis=2, names=True)
+        conv = ops.parameter(conv_shape, np.float32, name="conv")
+        conv.output(0).set_names({"cache_params.past.conv.0"})
+        rows = ops.parameter([-1, 16, 1], np.float32, name="rows")
+        state = ops.concat([conv, rows], 2)
+        state.output(0).set_names({"cache_params.present.conv.0"})
+        return ov.Model([*model.outputs, state.output(0)], [*model.get_parameters(), conv, rows], "hybrid")
+
     with pytest.raises(InvalidModelError) as info:
-        ir.kv_layout(model)
+        ir.kv_layout(hybrid([-1, 16, 4]))
     assert info.value.code == "not-kv-state" and info.value.exit_code == 3
-    assert "no attention reads" in str(info.value) and "cache_params.past.conv.0" in info.value.found
-    assert "read by the model's 1 attention ops" in info.value.expected
+    assert "no attention reads" in str(info.value) and info.value.found == "cache_params.past.conv.0"
+    assert info.value.expected == "states read as key or value by the model's 1 attention op"
+    with pytest.raises(InvalidModelError) as info:
+        ir.kv_layout(hybrid([-1, 16, -1]))
+    assert info.value.code == "kv-unlabelled"

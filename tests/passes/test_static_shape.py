@@ -368,10 +368,14 @@ def test_pin_rows_refuses_an_output_with_two_dimensions_that_follow_the_rows():
         PassManager([PinRows()], use_env=False).run(model)
 
 
-def test_slot_positions_feed_rotary_positions_and_keep_causal_comparisons():
-    """`cache_position = arange(q) + past_len` (a model without position_ids): its rotary
-    consumer reads the token positions, cumsum(mask)[-q:] - 1, and its comparison with the
-    key slots (causal: slot order is position order) keeps the slots."""
+@pytest.mark.parametrize("form", ["add", "range"])
+def test_slot_positions_feed_rotary_positions_and_keep_causal_comparisons(form):
+    """`cache_position` (a model without position_ids): `arange(q) + past_len` or
+    `arange(past_len, past_len + q)`. Where it enters a positional encoding (converted to
+    f32 for the rotary MatMul, or indexing a cos/sin table) it becomes the token positions,
+    cumsum(mask)[-q:] - 1; its comparison with the key slots (causal: slot order is position
+    order) keeps the slots, though the two share an Unsqueeze (the review's graph: with the
+    shared node rewired whole, the causal mask compared positions with slots)."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -385,18 +389,20 @@ def test_slot_positions_feed_rotary_positions_and_keep_causal_comparisons():
     i64 = lambda v: ops.constant(np.array(v, np.int64))  # noqa: E731
     past_len = ops.gather(ops.shape_of(past), i64(2), i64(0))
     steps = ops.gather(ops.shape_of(ids), i64(1), i64(0))
-    cache_position = ops.add(ops.range(i64(0), steps, i64(1), output_type="i64"), past_len)
-    rotary = ops.matmul(ops.convert(ops.unsqueeze(cache_position, i64(1)), "f32"),
-                        ops.constant(np.ones((1, 1), np.float32)), False, False)
-    causal = ops.less_equal(ops.range(i64(0), i64(8), i64(1), output_type="i64"),
-                            ops.unsqueeze(cache_position, i64(1)))
-    rotary.output(0).set_names({"rotary"})
-    causal.output(0).set_names({"causal"})
-    model = ov.Model([rotary, causal, ops.reduce_sum(past, i64([0, 1, 2, 3]))], [ids, mask, past])
+    cache_position = (ops.add(ops.range(i64(0), steps, i64(1), output_type="i64"), past_len) if form == "add"
+                      else ops.range(past_len, ops.add(past_len, steps), i64(1), output_type="i64"))
+    shared = ops.unsqueeze(cache_position, i64(1))  # [4, 1]
+    rotary = ops.matmul(ops.convert(shared, "f32"), ops.constant(np.ones((1, 1), np.float32)), False, False)
+    table = ops.gather(ops.constant(np.arange(16, dtype=np.float32) * 10), cache_position, i64(0))  # cos/sin-like
+    causal = ops.less_equal(ops.range(i64(0), i64(8), i64(1), output_type="i64"), shared)
+    for node, name in ((rotary, "rotary"), (table, "table"), (causal, "causal")):
+        node.output(0).set_names({name})
+    model = ov.Model([rotary, table, causal, ops.reduce_sum(past, i64([0, 1, 2, 3]))], [ids, mask, past])
     record = PassManager(parse_pipeline("mask-positions"), use_env=False).run(model)
     assert record.records[0].rule_hits == {"mask-positions/slot-positions": 1}
     out = NumpySession(record.model).infer({
         "input_ids": np.ones((1, 4), np.int64), "past_key_values.0.key": np.zeros((1, 1, 4, 2), np.float32),
         "attention_mask": np.array([[1, 1, 0, 0, 0, 1, 1, 1]])})  # two past tokens, a pad row, three new
     assert out["rotary"].reshape(-1).tolist() == [1.0, 2.0, 3.0, 4.0]  # the pad row's position is any
+    assert out["table"].tolist() == [10.0, 20.0, 30.0, 40.0]
     assert out["causal"].sum(axis=1).tolist() == [5, 6, 7, 8]  # still slots 4..7
