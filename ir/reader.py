@@ -73,9 +73,13 @@ def _resolve_dir(d: Path) -> ModelFiles:
     found = xmls + onnxs
     if len(found) == 1:
         return resolve(d / found[0])
+    holders = sorted(f"{sub.name}/{name}" for sub in d.iterdir() if sub.is_dir() and not sub.is_symlink()
+                     for name in DIR_CANDIDATES if (sub / name).is_file())
+    hint = (f" (in {'a subdirectory' if len(holders) == 1 else 'subdirectories'}: {', '.join(holders)}; give "
+            f"{'that directory' if len(holders) == 1 else 'one of them'})") if holders and not found else ""
     raise InvalidModelError("no-model", str(d), "cannot tell which file is the model",
                             expected=" or ".join(DIR_CANDIDATES) + " (or exactly one .xml/.onnx)",
-                            found=", ".join(found) or "no model files")
+                            found=(", ".join(found) or "no model files") + hint)
 
 
 def map_weights(path: str | Path) -> ov.Tensor | None:

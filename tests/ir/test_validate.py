@@ -168,7 +168,14 @@ def test_directory_without_a_model(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InvalidModelError) as info:
         ir.load(tmp_path)
-    assert info.value.code == "no-model"
+    assert info.value.code == "no-model" and info.value.found == "no model files"
+    # a fixture's folder, whose model is in openvino/: the error points there
+    (tmp_path / "openvino").mkdir()
+    (tmp_path / "openvino" / "openvino_model.xml").write_text("<net/>")
+    with pytest.raises(InvalidModelError) as info:
+        ir.load(tmp_path)
+    assert info.value.found == ("no model files (in a subdirectory: openvino/openvino_model.xml; give that "
+                                "directory)")
 
 
 def _onnx_with_external(tmp_path: Path, location: str) -> Path:
