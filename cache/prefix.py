@@ -195,16 +195,21 @@ class PrefixCache:
         self.bytes_used = 0
 
     # -- lookups ---------------------------------------------------------------------------
+    def chain(self, tokens, count: int):
+        """The chained keys of the full blocks of `tokens[:count]`, in order."""
+        parent, B = None, self.block_size
+        for start in range(0, count - B + 1, B):
+            parent = block_key(parent, tokens[start:start + B])
+            yield parent
+
     def lookup(self, tokens, limit: int) -> list[Block]:
         """The cached blocks that begin `tokens`, in order, covering at most `limit` tokens."""
-        found, parent, B = [], None, self.block_size
-        for start in range(0, limit - B + 1, B):
-            key = block_key(parent, tokens[start:start + B])
+        found = []
+        for key in self.chain(tokens, limit):
             block = self.blocks.get(key)
             if block is None:
                 break
             found.append(block)
-            parent = key
         return found
 
     def find_chunk(self, tokens, after: tuple[int, int] | None = None) -> Block | None:
@@ -278,10 +283,7 @@ class PrefixCache:
         sequence) would take each for a first block. Returns the number of blocks added."""
         B, now, added = self.block_size, self.clock(), 0
         self.sequences += 1
-        chain, parent = set(), None
-        for at in range(0, start - B + 1, B):
-            parent = block_key(parent, tokens[at:at + B])
-            chain.add(parent)
+        chain = set(self.chain(tokens, start))
         for at in range(start, count - B + 1, B):
             span = tuple(int(t) for t in tokens[at:at + B])
             key = content_key(span)

@@ -237,7 +237,7 @@ def require_blobs(directory, manifest: dict, backend: str, from_ir: bool) -> Non
     blobs = manifest["models"]["prefill"]["blobs"]
     if device is None or from_ir or device in blobs:
         return
-    there = ", ".join(f"{d} (--backend {BACKEND_OF_DEVICE[d]})" for d in sorted(blobs) if d in BACKEND_OF_DEVICE)
+    there = ", ".join(f"{DEVICE_OF_BACKEND[b]} (--backend {b})" for b in blob_backends(manifest))
     raise UsageError(f"{directory} has no {device} blobs, only {there or 'none'}: use that backend, or --from-ir "
                      f"to compile its IR for {device}")
 
