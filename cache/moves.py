@@ -34,6 +34,7 @@ import numpy as np
 
 from kvc import jsontext
 from kvc.errors import UsageError
+from kvc.runtime.embeddings import language_config
 from kvc.runtime.ops.registry import to_dtype
 
 MOVE_TOLERANCE = 1e-2  # RMS error of a moved row, relative to the RMS of the row computed there (f16 KV: ~1e-3)
@@ -169,7 +170,8 @@ def _past_shape(spec, rows: int) -> tuple[int, ...]:
 
 
 def model_config(directory) -> dict | None:
-    """The Hugging Face config.json a compiled directory carries (None when absent)."""
+    """The Hugging Face config.json a compiled directory carries, its language model's
+    (`language_config`; None when absent)."""
     import json
     from pathlib import Path
 
@@ -182,7 +184,7 @@ def model_config(directory) -> dict | None:
         raise UsageError(f"{path}: not a readable JSON config ({exc})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path}: a config is a JSON object, found {type(config).__name__}")
-    return config
+    return language_config(config)
 
 
 def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover:

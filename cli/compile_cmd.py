@@ -118,7 +118,7 @@ def source_name(path: Path, bundled: bool) -> str:
 
 
 def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
-    from kvc.export.manifest import model_order, shared_with
+    from kvc.export.manifest import model_order, shared_with, token_input
     from kvc.plan import chunk_label
     from kvc.verify.compiled import probe_label
 
@@ -130,14 +130,15 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
     for note in L["adjustments"]:
         click.echo(f"  adjusted: {note}")
     rows = []
+    token = token_input(manifest)
     for name in model_order(manifest["models"]):
         m = manifest["models"][name]
         shapes = {i["name"]: "x".join(str(d) if d >= 0 else "?" for d in i["shape"]) for i in m["inputs"]}
         past = next((v for k, v in shapes.items() if k.startswith("past_key_values")), "-")
         blobs = ", ".join(f"{d} {human_bytes(b['bytes'])} {b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip()
                           + shared_with(name, b) for d, b in m["blobs"].items()) or "-"
-        rows.append((name, shapes.get("input_ids", "-"), shapes.get("attention_mask", "-"), past, blobs))
-    click.echo(table(["model", "input_ids", "attention_mask", "past KV", "blobs"], rows))
+        rows.append((name, shapes.get(token, "-"), shapes.get("attention_mask", "-"), past, blobs))
+    click.echo(table(["model", token, "attention_mask", "past KV", "blobs"], rows))
     weights = out / manifest["weights"]
     click.echo(f"weights: {manifest['weights']} ({human_bytes(weights.stat().st_size)} on disk: every constant of every "
                f"model once, each 64-byte aligned), shared by every model")

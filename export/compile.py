@@ -44,6 +44,8 @@ from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
 from kvc.plan import StaticOptions
+from kvc.ir.text_embeddings import TEXT_EMBEDDINGS
+from kvc.runtime.embeddings import embedder_of, language_config
 from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
 
@@ -52,10 +54,12 @@ DEVICES = ("CPU", "NPU")
 # generate variant has of its own (its size in bytes), which move in weights.bin when a
 # variant is added, so that the other blobs stay the same (kvc.export.blob_cache).
 SMALL_CONSTANT_BYTES = 16 << 10
-# Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use.
+# Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use (and the
+# text embeddings model of a language model that takes inputs_embeds: runtime/embeddings.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
                    "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
-                   "openvino_detokenizer.xml", "openvino_detokenizer.bin")
+                   "openvino_detokenizer.xml", "openvino_detokenizer.bin",
+                   TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin"))
 
 
 def device_config(device: str, *, for_export: bool, precision: str = "f32") -> dict:
@@ -599,6 +603,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
         check_no_nan_weights(model, str(resolve(model_path).model))
         _require_kv_cache(model, resolve(model_path).model)
         _require_integer_inputs(model, resolve(model_path).model)
+        embedder_of(model, str(resolve(model_path).model))  # takes inputs_embeds: its text embeddings model, checked
         beyond = _beyond_max_positions(stated, options.static)
         if beyond:
             progress(f"warning: {beyond}; positions past it are outside what the model was built for")
@@ -617,12 +622,13 @@ _MAX_POSITIONS_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", 
 
 
 def _model_config(source_dir: Path) -> dict:
-    """The model's config.json as a dict ({} when absent or not an object)."""
+    """The model's config.json as a dict, its language model's (`language_config`); {} when
+    absent or not an object."""
     try:
         config = jsontext.loads(jsontext.read_text(source_dir / "config.json"))
     except (OSError, ValueError):
         return {}
-    return config if isinstance(config, dict) else {}
+    return language_config(config) if isinstance(config, dict) else {}
 
 
 def model_window(source_dir: Path) -> int | None:

@@ -127,6 +127,7 @@ def _compile_one(request: dict) -> dict:
     from kvc.export.mapped import HeldPages
     from kvc.ir.reader import core, load, map_weights
     from kvc.ir.writer import write_bytes_atomic
+    from kvc.ir.text_embeddings import detach
 
     name, device, config = request["name"], request["device"], request["config"]
     # The models' constants are read over one mapping kvc holds (under them while they compile),
@@ -139,10 +140,12 @@ def _compile_one(request: dict) -> dict:
             bodies = {branch: load(xml, weights=request["weights"], mapped=mapped)
                       for branch, xml in request["branches"].items()}
             for body in bodies.values():
+                detach(body)  # where this machine holds the text embeddings model: not for the blob
                 embed_small_constants(body)
             model = branch_model(bodies)
         else:
             model = load(request["xml"], weights=request["weights"], mapped=mapped)
+            detach(model)
             if device == "CPU":
                 embed_small_constants(model)
         try:

@@ -23,6 +23,8 @@ from kvc.export.mapped import pages_released, trim_heap
 from kvc.export.manifest import (check_blob_version, check_files, check_ports, model_kind, plan_of, read_manifest,
                                  vocab_of)
 from kvc.ir.reader import core, load, map_weights
+from kvc.ir.text_embeddings import TOKEN_EMBEDS
+from kvc.runtime.embeddings import embedder_beside
 from kvc.runtime.session import CPU_EXACTNESS_KEYS, NumpySession, OpenVINOSession, Session, backend_dtype
 from kvc.runtime.static_pipeline import StaticPipeline
 
@@ -63,6 +65,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
                                                                {p["name"]: p["shape"] for p in entry["outputs"]}))
         else:
             session = OpenVINOSession(compiled, device)
+        session.embed = embedder_beside(directory, name, entry["inputs"])
         # NPUW frees the copies its import made at a compiled model's first inference; they stay
         # in malloc's arenas, counted in RSS, until the heap is trimmed. The 250M Llama's NPU
         # blobs (NPUW on its CPU backend) held 2038 MB after a 7-token prompt, 1282 trimmed (53
@@ -295,7 +298,10 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}
             imported = _from_blob(manifest["models"][name], backend, from_ir)
-            return LazySession(make, dtypes, backend, functools.partial(imports.release, name) if imported else None)
+            lazy_session = LazySession(make, dtypes, backend,
+                                       functools.partial(imports.release, name) if imported else None)
+            lazy_session.embed = embedder_beside(directory, name, ports)
+            return lazy_session
         return make()
 
     # Imported in this order: an If blob first (its import reads the weights once per body before
@@ -336,7 +342,7 @@ def _first_inference(session: LazySession, ports: list[dict]) -> None:
     cache (on dense tensors, then ROI ones), NPUW's CPU backend corrupted the heap of the
     llama fixture's open (`free(): invalid pointer`) at its next generate or at exit."""
     feed = {}
-    rows = next(p["shape"][-1] for p in ports if p["name"] == "input_ids")
+    rows = next(p["shape"][1] for p in ports if p["name"] in ("input_ids", TOKEN_EMBEDS))
     for port in ports:
         if session.bound(port["name"]):
             continue

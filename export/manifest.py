@@ -25,6 +25,7 @@ from kvc import jsontext
 from kvc.errors import DeviceError, InvalidModelError, UsageError
 from kvc.ir.validate import check_inside
 from kvc.plan import StaticPlan
+from kvc.ir.text_embeddings import TEXT_EMBEDDINGS, TOKEN_EMBEDS
 
 MANIFEST = "manifest.json"
 # 2: files hold {"bytes", "sha256"}; the source path is absolute.
@@ -58,11 +59,14 @@ def sha256_ranges(path: Path, ranges, chunk: int = 1 << 22) -> dict[tuple[int, i
 
 
 def source_files(path: Path) -> list[Path]:
-    """A model's files whose hashes identify it: its .xml/.onnx and its weights."""
+    """A model's files whose hashes identify it: its .xml/.onnx and its weights, and the text
+    embeddings model beside it (the ids' rows of a model that takes inputs_embeds)."""
     from kvc.ir.reader import resolve
 
     files = resolve(path)
-    return [files.model] + ([files.weights] if files.weights is not None and files.weights.exists() else [])
+    embeddings = files.model.parent / TEXT_EMBEDDINGS
+    return ([files.model] + ([files.weights] if files.weights is not None and files.weights.exists() else [])
+            + [f for f in (embeddings, embeddings.with_suffix(".bin")) if files.kind == "ir" and f.is_file()])
 
 
 def source_hashes(path: Path) -> dict[str, str]:
@@ -383,7 +387,7 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
             raise bad(f"the plan's KV {spec.input!r} is not sized for the largest variant",
                       expected=f"{max(sizes) - L.tokens} rows on axis {spec.seq_axis}",
                       found=f"shape {list(spec.shape)}")
-    vocab = set()
+    vocab, widths = set(), set()
     for name, model in models.items():
         kind, size = kinds[name]
         inputs = {p["name"]: p for p in model["inputs"]}
@@ -398,7 +402,12 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
                       expected="static shapes", found=f"{dynamic[0]} with a -1 dimension")
         step, span = {"prefill": (size or L.chunk or L.prompt, L.prompt), "first": (rows, rows),
                       "generate": (L.tokens, size)}[kind]
-        for port, want in (("input_ids", [1, step]), ("attention_mask", [1, span])):
+        # (A language model that takes inputs_embeds: [1, rows, H] in place of the ids.)
+        token, width = ("input_ids", [])
+        if "input_ids" not in inputs and TOKEN_EMBEDS in inputs:
+            token, width = TOKEN_EMBEDS, inputs[TOKEN_EMBEDS]["shape"][2:3] or [-1]
+            widths.add(width[0])
+        for port, want in ((token, [1, step, *width]), ("attention_mask", [1, span])):
             if port not in inputs or inputs[port]["shape"] != want:
                 raise bad(f"model {name!r}'s {port} does not match the plan's lengths", expected=want,
                           found=inputs[port]["shape"] if port in inputs else "no such input")
@@ -429,6 +438,16 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
                               expected=f"{spec.element_type} {expect}", found=f"{found['element_type']} {shape}")
     if len(vocab) != 1:
         raise bad("the models disagree on the vocabulary size", expected="one V", found=sorted(vocab))
+    if len(widths) > 1 or any(w < 1 for w in widths):
+        raise bad(f"the models' {TOKEN_EMBEDS} disagree on the row width", expected="one H >= 1",
+                  found=sorted(widths))
+
+
+def token_input(manifest: dict) -> str:
+    """The name of the compiled models' token input: input_ids, or inputs_embeds (a
+    vision-language model's language model: kvc.runtime.embeddings)."""
+    names = {p["name"] for p in manifest["models"]["prefill"]["inputs"]}
+    return TOKEN_EMBEDS if TOKEN_EMBEDS in names and "input_ids" not in names else "input_ids"
 
 
 def check_ports(directory, name: str, entry: dict, ports_in, ports_out) -> None:

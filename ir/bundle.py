@@ -37,6 +37,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.ir.reader import bodies
+from kvc.ir.text_embeddings import detach, reattach
 from kvc.ir.weights_stream import Origin as _Origin
 from kvc.ir.weights_stream import Segment as _Segment
 from kvc.ir.weights_stream import Stream as _Stream
@@ -522,6 +523,7 @@ def _graph_text(model: ov.Model, consts: list[tuple[ov.Node, bool]], xml: Path) 
     model has dynamic shapes to lose precision in) it is inferred again with its constants and
     written with all of them, so the `.xml` and the model keep their true shapes."""
     static = not model.is_dynamic()
+    embeddings = detach(model)  # a path on this machine: not written (a compiled directory finds its own)
     for replace in (static, False):
         placeholders = _Placeholders(model, consts, replace)
         try:
@@ -530,6 +532,7 @@ def _graph_text(model: ov.Model, consts: list[tuple[ov.Node, bool]], xml: Path) 
             lost = replace and model.is_dynamic()
         finally:
             placeholders.restore()
+            reattach(model, embeddings)
         if not lost:
             return text
         model.validate_nodes_and_infer_types()

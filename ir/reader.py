@@ -131,14 +131,19 @@ def _load(files: ModelFiles, validate: bool, consts_found, mapped: ov.Tensor | N
             validate_onnx(files.model)
     try:
         if files.kind == "ir" and mapped is not None:
-            return core().read_model(files.model.read_text(encoding="utf-8"), mapped)
-        if files.kind == "ir" and files.weights is not None and files.weights.exists():
-            return core().read_model(str(files.model), str(files.weights))
-        return core().read_model(str(files.model))
+            model = core().read_model(files.model.read_text(encoding="utf-8"), mapped)
+        elif files.kind == "ir" and files.weights is not None and files.weights.exists():
+            model = core().read_model(str(files.model), str(files.weights))
+        else:
+            model = core().read_model(str(files.model))
     except RuntimeError as exc:
         # Validation passed, so this is a semantic problem (unknown op, bad attribute).
         raise InvalidModelError("openvino-rejected", str(files.model),
                                 f"OpenVINO cannot read this model: {openvino_reason(exc)}") from None
+    from kvc.ir.text_embeddings import attach
+
+    attach(model, files.model)  # a language model taking inputs_embeds: its text embeddings model
+    return model
 
 
 def bodies(node: ov.Node) -> list[ov.Model]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvc import __version__
 from kvc.errors import InvalidModelError
-from kvc.export.manifest import model_order, shared_with
+from kvc.export.manifest import model_order, shared_with, token_input
 from kvc.plan import chunk_label
 from kvc.report.collect import Branch, ReportData, collect
 from kvc.report.svg import bars_svg, steps_svg, subgraph_svg
@@ -185,14 +185,14 @@ def _models(d: ReportData) -> str:
         blobs = "; ".join(f"{dev} {_bytes(b['bytes']) if isinstance(b.get('bytes'), int) else '?'} "
                           f"{b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip() + shared_with(name, b)
                           for dev, b in sorted(entry["blobs"].items()))
-        rows.append([name, entry["xml"], shapes.get("input_ids"), shapes.get("attention_mask"), past, blobs or None])
+        rows.append([name, entry["xml"], shapes.get(token_input(m)), shapes.get("attention_mask"), past, blobs or None])
         port_rows = [[side, p["name"], p["element_type"], "×".join(map(str, p["shape"]))]
                      for side in ("inputs", "outputs") for p in entry[side]]
         ports.append(f"<details><summary>{_t(name)}: {len(entry['inputs'])} inputs, {len(entry['outputs'])} "
                      f"outputs</summary>{_table(['', 'name', 'element type', 'shape'], port_rows)}</details>")
     weights = m["files"].get(m["weights"], {}).get("bytes")
     return ('<section id="models"><h2>Models and blobs</h2>'
-            + _table(["model", "IR", "input_ids", "attention_mask", "past KV", "blobs"], rows)
+            + _table(["model", "IR", token_input(m), "attention_mask", "past KV", "blobs"], rows)
             + f"<p>All models read one <code>{_t(m['weights'])}</code>"
             + (f" ({_t(_bytes(weights))})" if isinstance(weights, int) else "") + ".</p>"
             + "".join(ports) + "</section>")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvc.errors import UsageError
+from kvc.runtime.embeddings import token_feed
 from kvc.runtime.session import Session
 
 # Inputs a stateless model gets back from its own outputs: the KV cache and kvc's beam table.
@@ -132,7 +133,7 @@ def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 
     batch, n = ids.shape
     first = origin + past_len
     full = {
-        "input_ids": ids,
+        **token_feed(session, ids),
         "attention_mask": np.ones((batch, past_len + n), np.int64),
         "position_ids": np.broadcast_to(np.arange(first, first + n, dtype=np.int64), (batch, n)).copy(),
         "beam_idx": np.arange(batch, dtype=np.int32),

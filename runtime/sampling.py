@@ -16,6 +16,7 @@ import numpy as np
 
 from kvc import jsontext
 from kvc.errors import ComputeError, UsageError
+from kvc.runtime.embeddings import language_config
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,18 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 
 def eos_ids(directory: Path) -> frozenset[int]:
     """The end-of-sequence ids of a compiled (or optimum-intel) directory's
-    generation_config.json, else its config.json; empty when neither states one."""
+    generation_config.json, else its config.json (its language model's: `language_config`);
+    empty when neither states one."""
     return config_ids(directory, "eos_token_id")
 
 
 def config_ids(directory: Path, key: str) -> frozenset[int]:
     """The token ids `key` (eos_token_id, bos_token_id, pad_token_id) names in a directory's
-    generation_config.json, else its config.json; empty when neither states one."""
+    generation_config.json, else its config.json (its language model's: `language_config`);
+    empty when neither states one."""
     for name in ("generation_config.json", "config.json"):
         try:
-            value = jsontext.loads(jsontext.read_text(Path(directory) / name)).get(key)
+            value = language_config(jsontext.loads(jsontext.read_text(Path(directory) / name))).get(key)
         except (OSError, ValueError, AttributeError):
             continue
         ids = value if isinstance(value, list) else [value]

@@ -17,6 +17,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import DeviceError, UsageError, openvino_reason
+from kvc.runtime.embeddings import Embedder, embedder_of
 from kvc.runtime.interpreter import Interpreter, TensorMap, bind_input, input_dtype, port_names
 from kvc.runtime.ops.registry import to_dtype
 
@@ -67,8 +68,10 @@ class NumpySession:
     # What the model's constants point into when it was read over a shared mapping of its
     # weights (kvc.ir.reader.map_weights): held by the session so that it lives as long.
     weights_mapping: object | None = None
+    embed: Embedder | None = None  # a model that takes inputs_embeds: its ids' rows (runtime/embeddings.py)
 
     def __init__(self, model: ov.Model, *, widen: bool = False):
+        self.embed = embedder_of(model)
         self.interpreter = Interpreter(model, widen=widen)  # widen: see Interpreter
         self._bound: dict[str, np.ndarray] = {}
 
@@ -122,6 +125,9 @@ class OpenVINOSession:
     # Called once, after the first inference (kvc.export.load: an imported blob's plugin frees
     # what its import held there, and the heap is trimmed).
     after_first_inference: Callable[[], None] | None = None
+    # A model that takes inputs_embeds: its ids' rows (runtime/embeddings.py); a blob's session
+    # is given it by its opener.
+    embed: Embedder | None = None
 
     def __init__(self, model: ov.Model | ov.CompiledModel, device: str = "CPU", config: dict | None = None,
                  *, exact: bool = True):
@@ -130,6 +136,7 @@ class OpenVINOSession:
         if isinstance(model, ov.CompiledModel):
             self.compiled = model
         else:
+            self.embed = embedder_of(model)
             cfg = dict(EXACT_CPU_CONFIG if device == "CPU" and exact else {})
             cfg.update(config or {})
             try:

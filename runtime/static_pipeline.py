@@ -33,6 +33,7 @@ from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
 from kvc.runtime.generate import Generation, far_past, far_past_fits
 from kvc.runtime.sampling import Sampling
+from kvc.runtime.embeddings import token_feed
 from kvc.runtime.session import Session
 
 
@@ -177,7 +178,7 @@ class StaticPipeline:
     def step_feed(session: Session, ids, mask, positions) -> dict:
         """This step's small inputs, for the inputs `session` has; the past is bound to the
         shared buffers (a caller feeding its own past adds it)."""
-        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+        feed = {**token_feed(session, ids), "attention_mask": mask, "position_ids": positions,
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -740,13 +741,27 @@ def check_copies(source, directory, manifest: dict) -> dict:
         theirs = root / name
         if not theirs.is_file():
             absent.append(name)
-        elif theirs.read_bytes() != (directory / name).read_bytes():
+        elif not _same_bytes(theirs, directory / name):
             return {"ok": False, "reason": f"{name} differs from the source model's ({theirs})"}
     same = len(copied) - len(absent)
     reason = f"all {same} identical to the source model's" if copied else "none copied"
     if absent:
         reason = f"{same} identical to the source model's; not compared, none beside it: {', '.join(absent)}"
     return {"ok": True, "files": same, "reason": reason}
+
+
+def _same_bytes(a: Path, b: Path, block: int = 1 << 22) -> bool:
+    """Whether two files hold the same bytes, read in blocks (a text embeddings model's table
+    is as large as the vocabulary)."""
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x = fa.read(block)
+            if x != fb.read(block):
+                return False
+            if not x:
+                return True
 
 
 def _forced_experts(source, directory, manifest: dict, cases, experts: tuple[int, int],

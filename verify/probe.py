@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
+from kvc.ir.text_embeddings import TOKEN_EMBEDS
+from kvc.runtime.embeddings import embedder_of
 from kvc.runtime.generate import first_step_feed, greedy, present_name
 from kvc.runtime.ops.registry import to_dtype
 from kvc.runtime.session import NumpySession
@@ -53,7 +55,8 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     `reference` is a dynamic stateless model (the lifted source); `tokens` supplies the ids.
     """
     ports = _ports(model)
-    L = ports["input_ids"].get_shape()[-1]
+    embed = embedder_of(model)
+    L = ports["input_ids" if embed is None else TOKEN_EMBEDS].get_shape()[1]
     M = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else L
     past_slots = M - L
     k = past_slots // 2 if past_slots else 0  # some cache, some free slots
@@ -75,7 +78,7 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     mask[0, M - n:] = 1
     pos = np.zeros((1, L), np.int64)
     pos[0, L - n:] = np.arange(k, k + n)
-    candidates = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32)}
+    candidates = {"input_ids": ids, TOKEN_EMBEDS: None if embed is None else embed(ids), "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32)}
     f16 = False
     for name, port in ports.items():
         if name in candidates:

@@ -187,30 +187,39 @@ def test_plan_variants():
 
 
 # -- shapes -----------------------------------------------------------------------------------
+def tokens(ins: dict, rows: int, cfg: dict) -> bool:
+    """The token input holds `rows` rows: ids [1, rows], or a vision-language model's language
+    model's inputs_embeds [1, rows, H]."""
+    if "inputs_embeds" in ins:
+        return "input_ids" not in ins and ins["inputs_embeds"] == ([1, rows, cfg["hidden_size"]], "f32")
+    return ins["input_ids"] == ([1, rows], "i64")
+
+
 def test_prefill_shapes(fixture_name):
     cfg = fixtures.goldens(fixture_name)["config"]
     heads = cfg["num_key_value_heads"] or cfg["num_attention_heads"]
     model = run(fixture_name, "lift-state,dense-experts,static-shape{kind=prefill,prompt=64},mask-positions,kv-io")
     ins = shapes(model.inputs)
-    assert ins["input_ids"] == ([1, 64], "i64") and ins["attention_mask"] == ([1, 64], "i64")
+    assert tokens(ins, 64, cfg) and ins["attention_mask"] == ([1, 64], "i64")
     assert not any(n.startswith("past_key_values") for n in ins), "empty past inputs are removed"
     outs = shapes(model.outputs)
-    assert outs["logits"][0] == [1, 64, 384]
+    assert outs["logits"][0] == [1, 64, cfg["vocab_size"]]
     assert outs["present.0.key"] == ([1, heads, 64, 16], "f32")
 
 
 def test_chunked_prefill_and_generate_shapes(fixture_name):
+    cfg = fixtures.goldens(fixture_name)["config"]
     chunked = run(fixture_name, "lift-state,dense-experts,static-shape{kind=prefill,prompt=64,chunk=16},kv-io")
     ins, outs = shapes(chunked.inputs), shapes(chunked.outputs)
-    assert ins["input_ids"][0] == [1, 16] and ins["attention_mask"][0] == [1, 64]
+    assert tokens(ins, 16, cfg) and ins["attention_mask"][0] == [1, 64]
     assert ins["past_key_values.1.value"][0][2] == 48 and outs["present.1.value"][0][2] == 16
     gen = run(fixture_name, "lift-state,dense-experts,static-shape{kind=generate,size=96},kv-io{kv_type=f16,transpose_v=true}")
     ins, outs = shapes(gen.inputs), shapes(gen.outputs)
-    assert ins["input_ids"][0] == [1, 1] and ins["attention_mask"][0] == [1, 96]
+    assert tokens(ins, 1, cfg) and ins["attention_mask"][0] == [1, 96]
     assert ins["past_key_values.0.key"][0][2] == 95 and ins["past_key_values.0.key"][1] == "f16"
     assert ins["past_key_values.0.value"][0][2:] == [16, 95], "V transposed: sequence last"
     assert outs["present.0.value"] == ([1, ins["past_key_values.0.value"][0][1], 16, 1], "f16")
-    assert outs["logits"][0] == [1, 1, 384]
+    assert outs["logits"][0] == [1, 1, cfg["vocab_size"]]
 
 
 def test_prefill_logits_sliced_to_last_position():

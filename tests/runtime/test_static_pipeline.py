@@ -14,6 +14,7 @@ from kvc import fixtures
 from kvc.export.build import build_static
 from kvc.plan import StaticOptions
 from kvc.runtime.compare import judge
+from kvc.runtime.embeddings import embedder_of
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import NPUW_CPU_CONFIG, NumpySession, OpenVINOSession, open_session
 from kvc.runtime.static_pipeline import CapacityError, PromptTooLongError, StaticPipeline
@@ -399,6 +400,7 @@ def test_npu_plugin_llm_path_agrees_with_kvc(name, capsys, record_property):
                 greedy(OpenVINOSession(compiled, "NPU"), prompts()[0], 2)
         return
     npuw = OpenVINOSession(ir.core().compile_model(model, "NPU", NPUW_LLM_CONFIG), "NPU")
+    npuw.embed = embedder_of(model)  # a language model that takes inputs_embeds: its ids' rows
     for prompt, ref in zip(prompts(), reference(name)):
         verdict = judge(ref, greedy(npuw, prompt, 24), reduced=True)
         print(f"{name} NPUW_LLM prompt {len(prompt)}: {verdict.reason}")
