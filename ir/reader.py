@@ -14,6 +14,7 @@ from pathlib import Path
 import openvino as ov
 
 from kvc.errors import InvalidModelError, openvino_reason
+from kvc.ir.text_embeddings import attach
 from kvc.ir.validate import check_inside, validate_ir, validate_onnx
 
 # File names optimum-intel and openvino.genai use for the language model of a directory.
@@ -140,8 +141,6 @@ def _load(files: ModelFiles, validate: bool, consts_found, mapped: ov.Tensor | N
         # Validation passed, so this is a semantic problem (unknown op, bad attribute).
         raise InvalidModelError("openvino-rejected", str(files.model),
                                 f"OpenVINO cannot read this model: {openvino_reason(exc)}") from None
-    from kvc.ir.text_embeddings import attach
-
     attach(model, files.model)  # a language model taking inputs_embeds: its text embeddings model
     return model
 

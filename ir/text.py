@@ -25,13 +25,13 @@ from kvc.ir.naming import (
     node_attributes,
     op_version,
 )
+from kvc.ir.text_embeddings import RT_KEY
 
 HEADER = "# kvc ir text v1"
 INLINE_CONST_ELEMENTS = 16
 # rt_info entries that only say which tool versions wrote the file, or where on this machine
-# kvc found the text embeddings model (kvc.runtime.embeddings.RT_KEY).
-_VERSION_RT_KEYS = {"OpenVINO Runtime", "Runtime_version", "version", "optimum", "conversion_parameters",
-                    "kvc_text_embeddings"}
+# kvc found the text embeddings model (kvc.ir.text_embeddings).
+_VERSION_RT_KEYS = {"OpenVINO Runtime", "Runtime_version", "version", "optimum", "conversion_parameters", RT_KEY}
 
 
 def to_text(model: ov.Model, naming: Naming | None = None) -> str:

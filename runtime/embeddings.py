@@ -37,6 +37,7 @@ import openvino as ov
 from kvc.errors import InvalidModelError
 from kvc.ir.text_embeddings import RT_KEY, TEXT_EMBEDDINGS, TOKEN_EMBEDS, takes_embeds
 
+
 def language_config(config: dict) -> dict:
     """A model's config.json as its language model's: a vision-language config's `text_config`
     over its top level (where some exports keep the special ids); any other config as it is."""
@@ -71,12 +72,21 @@ def _found(path: str | None, width: int, where: str) -> Embedder:
             f"takes {TOKEN_EMBEDS} (the language model of a vision-language export), and kvc drives models by "
             f"token ids through the text embeddings model beside it", expected=f"{TEXT_EMBEDDINGS} in its directory",
             found="none")
-    return embedder(path, width)
+    files = (Path(path), Path(path).with_suffix(".bin"))
+    return _embedder(path, width, tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in map(_stat, files)))
+
+
+def _stat(path: Path):
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        raise InvalidModelError("no-text-embeddings", str(path), "is missing", found="no such file") from None
 
 
 @functools.cache
-def embedder(path: str, width: int) -> Embedder:
-    """One embedder per file and width in a process (each compiles its model once)."""
+def _embedder(path: str, width: int, stamp: tuple) -> Embedder:
+    """One embedder per file, width and version of the files (`stamp`) in a process: each
+    compiles its model once, and a file replaced is read again."""
     return Embedder(Path(path), width)
 
 
