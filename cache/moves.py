@@ -116,20 +116,31 @@ def _yarn(params: dict, theta: float, dim: int, base: np.ndarray) -> np.ndarray:
     return base / factor * (1 - extrapolation) + base * extrapolation
 
 
+def by_layer_type(config: dict) -> list[dict]:
+    """`config` once per rotary its layers use: transformers' `rope_parameters` keyed by layer
+    type (Gemma 3: "sliding_attention" at theta 1e4, "full_attention" at 1e6) gives one config
+    per type; any other config is itself."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return [{**config, "rope_parameters": params[kind]} for kind in sorted(params)]
+    return [config]
+
+
 def candidates(config: dict, head_dim: int) -> list[Rotary]:
-    """Rotary readings of `config` to try: the partial dimension it names (or the whole head),
-    rotate-half and interleaved pairs."""
-    params = _rope_parameters(config)
-    dims = []
-    if config.get("rotary_dim"):
-        dims.append(int(config["rotary_dim"]))
-    if params.get("partial_rotary_factor"):
-        dims.append(int(head_dim * float(params["partial_rotary_factor"])))
-    dims.append(head_dim)
+    """Rotary readings of `config` to try: each layer type's (`by_layer_type`), over the
+    partial dimension it names (or the whole head), rotate-half and interleaved pairs."""
     found = []
-    for dim in dict.fromkeys(d for d in dims if 0 < d <= head_dim and d % 2 == 0):
-        freqs = inverse_frequencies(config, dim)
-        found += [Rotary(freqs, dim, interleaved) for interleaved in (False, True)]
+    for layer_config in by_layer_type(config):
+        params = _rope_parameters(layer_config)
+        dims = []
+        if layer_config.get("rotary_dim"):
+            dims.append(int(layer_config["rotary_dim"]))
+        if params.get("partial_rotary_factor"):
+            dims.append(int(head_dim * float(params["partial_rotary_factor"])))
+        dims.append(head_dim)
+        for dim in dict.fromkeys(d for d in dims if 0 < d <= head_dim and d % 2 == 0):
+            freqs = inverse_frequencies(layer_config, dim)
+            found += [Rotary(freqs, dim, interleaved) for interleaved in (False, True)]
     return found
 
 

@@ -10,8 +10,10 @@ is masked by attention_mask); anything that measures a distance is wrong. Three 
 
 * ``mask-positions/index-compare`` (sliding windows as transformers writes them, e.g.
   Mistral): a comparison (Greater/Less[Equal]) of the q and kv index vectors, found up
-  through Unsqueeze, Reshape, Squeeze, Convert and constant offsets. When some comparison
-  offsets an index by a constant (a window), every such comparison gets
+  through Unsqueeze, Reshape, Squeeze, Convert and constant offsets, or of their difference
+  with a constant (Gemma 3's language model as optimum-intel patches it: ``q_idx - kv_idx >=
+  W``). When some comparison offsets an index by a constant or compares a difference (a
+  window), every such comparison (or difference) gets
 
       q_idx  <- position_ids[0]                              (this step's positions)
       kv_idx <- concat(arange(past_len), position_ids[0])    (left-aligned past, then this step)
@@ -64,13 +66,16 @@ _OFFSET = {"Add", "Subtract"}
 
 
 def _index_source(out: ov.Output) -> tuple[ov.Output, list[ov.Node], bool]:
-    """Walk up to the 1-D index vector: the vector, the nodes on the way (nearest first), and
-    whether a constant offset was crossed."""
+    """Walk up to the 1-D index vector: the vector, the nodes on the way (nearest first; not
+    an added past length, `_past_length`, which the positions replace), and whether a
+    constant offset was crossed."""
     offset, path = False, []
     for _ in range(16):
         node = out.get_node()
         kind = node.get_type_name()
-        if kind in _THROUGH or (kind in _OFFSET and node.input_value(1).get_node().get_type_name() == "Constant"):
+        if kind == "Add" and _past_length(node.input_value(1)):  # slots to positions: not rebuilt
+            out = node.input_value(0)
+        elif kind in _THROUGH or (kind in _OFFSET and node.input_value(1).get_node().get_type_name() == "Constant"):
             offset |= kind in _OFFSET
             path.append(node)
             out = node.input_value(0)
@@ -108,19 +113,29 @@ def _length(out: ov.Output) -> int | None:
 
 
 
-def _constant_expr(out: ov.Output, limit: int = 64) -> bool:
+def _constant_expr(out: ov.Output, limit: int = 64, shapes: bool = False) -> bool:
     """Whether `out` depends on no input or state (a table OpenVINO could fold), looking at
-    most `limit` nodes up."""
+    most `limit` nodes up; with `shapes`, on no input's values: a ShapeOf is a constant (the
+    static shapes make it one)."""
     stack, seen = [out.get_node()], set()
     while stack:
         node = stack.pop()
         if node.get_type_name() in ("Parameter", "ReadValue") or len(seen) > limit:
             return False
-        if node.get_friendly_name() in seen:
+        if node.get_friendly_name() in seen or (shapes and node.get_type_name() in ("ShapeOf", "Constant")):
             continue
         seen.add(node.get_friendly_name())
         stack.extend(v.get_node() for v in node.input_values())
     return True
+
+
+def _past_length(out: ov.Output) -> bool:
+    """Whether `out` is a scalar computed from shapes alone: added to ``arange(q_len)`` it is
+    the past's length, ``q_idx = arange(q_len) + past_len`` (Gemma 3's language model as
+    optimum-intel patches it), the slot offset that the positions replace."""
+    shape = out.get_partial_shape()
+    return (shape.is_static and int(np.prod(shape.to_shape())) == 1 and out.get_node().get_type_name() != "Constant"
+            and _constant_expr(out, shapes=True))
 
 
 def _slice_axes(node: ov.Node) -> tuple[list[int], list[int]]:
@@ -136,10 +151,27 @@ def _slice_axes(node: ov.Node) -> tuple[list[int], list[int]]:
     return [a % r for a in axes], steps
 
 
+def _difference(node: ov.Node) -> ov.Node | None:
+    """The Subtract of `Compare(q_idx - kv_idx, W)` (either way round; W a Constant, the
+    difference found up through Unsqueeze, Reshape, Squeeze and Convert), else None."""
+    for i in (0, 1):
+        if node.input_value(1 - i).get_node().get_type_name() != "Constant":
+            continue
+        out = node.input_value(i)
+        while out.get_node().get_type_name() in _THROUGH:
+            out = out.get_node().input_value(0)
+        if out.get_node().get_type_name() == "Subtract":
+            return out.get_node()
+    return None
+
+
 def _index_compare(node: ov.Node, steps: int, mask_len: int):
-    """A comparison of the q index vector (this step's length) with the kv one (the mask's):
-    (node, which side is q, both sides as (vector, path, offset crossed), whether a side is
-    offset by a constant, i.e. a window)."""
+    """A comparison of the q index vector (this step's length) with the kv one (the mask's),
+    or of their difference with a constant (`_difference`): (the node whose two inputs are the
+    index vectors, which side is q, both sides as (vector, path, offset crossed), whether it
+    measures a distance, i.e. a window: a side offset by a constant, or a difference)."""
+    difference = _difference(node)
+    node = difference or node
     sides = [_index_source(node.input_value(i)) for i in (0, 1)]
     lengths = [_length(src) for src, _, _ in sides]
     if None in lengths or not all(src.get_element_type().is_integral() for src, _, _ in sides):
@@ -150,7 +182,7 @@ def _index_compare(node: ov.Node, steps: int, mask_len: int):
     # The q vector has this step's length, the kv vector the mask's (equal in a prefill,
     # where both become the positions anyway).
     q_side = 0 if lengths[0] == steps and (lengths[0] != lengths[1] or sides[0][2]) else 1
-    return node, q_side, sides, sides[0][2] or sides[1][2]
+    return node, q_side, sides, sides[0][2] or sides[1][2] or difference is not None
 
 
 def _band_table(node: ov.Node, steps: int, mask_len: int) -> ov.Node:
@@ -259,15 +291,16 @@ class MaskPositions(Pass):
         token = ports.get("position_ids") or ports.get("input_ids") or ports.get("inputs_embeds")
         if token is None or ("position_ids" not in ports and "attention_mask" not in ports):
             return PassResult(model, False)
-        steps = token.get_shape()[1]
+        steps = token.get_shape()[-1 if token is ports.get("position_ids") else 1]  # [1, S], [3, 1, S], [1, S, H]
         mask_len = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else steps
         nodes = model.get_ordered_ops()
         compares = []
         if "position_ids" in ports:
             compares = Rule("mask-positions/index-compare", anchors=tuple(sorted(_COMPARE)),
                             match=lambda n: _index_compare(n, steps, mask_len)).matches(nodes)
-            if not any(windowed for *_, windowed in compares):
-                compares = []  # causal-only comparisons mean the same on slots and positions
+            # a causal comparison means the same on slots and positions, and may fold a
+            # diagonal into its index vector (Gemma 3's triu: arange(past + 1, ...)): kept
+            compares = [c for c in compares if c[-1]]
         bands = Rule("mask-positions/band-table", anchors=("Slice",),
                      match=lambda n: _band_table(n, steps, mask_len)).matches(nodes)
         right = slots = []
@@ -324,7 +357,10 @@ def _positions(ports: dict, steps: int, mask_len: int, need_counts: bool):
         counts = ops.cumsum(mask, ops.constant(np.int64(0)))  # valid slots up to and including k
         counts.set_friendly_name("mask_positions/counts")
     if "position_ids" in ports:
-        positions = ops.reshape(ports["position_ids"], ops.constant(np.array([steps], np.int64)), False)
+        given = ports["position_ids"]
+        if given.get_partial_shape().rank.get_length() == 3:  # mRoPE [3, 1, S]: a text's positions, every row alike
+            given = ops.gather(given, ops.constant(np.int64(0)), ops.constant(np.int64(0))).output(0)
+        positions = ops.reshape(given, ops.constant(np.array([steps], np.int64)), False)
         past = ops.range(ops.constant(np.int64(0)), ops.constant(np.int64(mask_len - steps)),
                          ops.constant(np.int64(1)), output_type="i64")
         kv_positions = ops.concat([past, positions], 0)

@@ -11,6 +11,8 @@ a prompt's first tokens unpadded, so its positions are its slots and it needs no
 passes that make a padded static layout compute right (mask-positions, unmask-pad-rows).
 
 Batch is 1. Only inputs the model has are reshaped, so ALiBi models without position_ids work.
+A vision-language model's 3-D position_ids (mRoPE, Qwen2-VL: [3, B, S], a temporal, height and
+width position per token) become [3, 1, rows].
 The pass takes lengths as given; aligning them the way NPUW does is `kvc.plan.plan_lengths`,
 whose result kvc reports. The pass ensures `static`: the PassManager then refuses the model if any
 value is still dynamic, naming the node, the port and the dimension.
@@ -78,7 +80,11 @@ class StaticShape(Pass):
         for i, port in enumerate(model.inputs):
             names = port.get_names()
             pshape = port.get_partial_shape()
-            if names & set(TOKEN_INPUTS):
+            if "position_ids" in names and pshape.rank.is_static and pshape.rank.get_length() == 3:
+                if pshape[0].is_dynamic:  # mRoPE (Qwen2-VL): [sections, B, S]
+                    raise self.fail(f"cannot tell the sections of 3-D position_ids {pshape} (expected [3, ?, ?])")
+                new = [pshape[0].get_length(), 1, step]
+            elif names & set(TOKEN_INPUTS):
                 new = [1, step] + [d.get_length() for d in list(pshape)[2:]]
             elif "attention_mask" in names:
                 new = [1, mask]

@@ -121,7 +121,10 @@ class Embedder:
 
 
 def token_feed(session, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """The token input of one step of `session`: `input_ids`, or their rows as `inputs_embeds`
-    when the session's model takes rows (`session.embed`, set where it is opened)."""
+    """The token inputs of one step of `session` (the caller keeps those it has): `input_ids`,
+    or their rows as `inputs_embeds` when the session's model takes rows (`session.embed`, set
+    where it is opened); and `token_type_ids`, 0 for every token: text (Gemma 3's language
+    model marks an image's tokens 1, to attend each other both ways)."""
     embed = getattr(session, "embed", None)
-    return {"input_ids": ids} if embed is None else {TOKEN_EMBEDS: embed(ids)}
+    tokens = {"input_ids": ids} if embed is None else {TOKEN_EMBEDS: embed(ids)}
+    return {**tokens, "token_type_ids": np.zeros(np.shape(ids), np.int64)}

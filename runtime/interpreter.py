@@ -371,6 +371,10 @@ def bind_input(names: tuple[str, ...], port: ov.Output, inputs: Mapping[str, np.
             raise InputError(f"input {names[0]}: expected element type {want}, found {value.dtype}")
         value = value.astype(want)
     pshape = port.get_partial_shape()
+    if value.ndim == 2 and pshape.rank.is_static and pshape.rank.get_length() == 3 and pshape[0].is_static \
+            and any(n.rsplit(".", 1)[-1] == "position_ids" for n in names):  # an If blob's: "<model>.position_ids"
+        # mRoPE's [3, B, S] given a text's [B, S]: every section the same position
+        value = np.broadcast_to(value, (pshape[0].get_length(), *value.shape))
     if not pshape.compatible(ov.PartialShape(list(value.shape))):
         raise InputError(f"input {names[0]}: expected shape {pshape}, found {list(value.shape)}")
     return value

@@ -31,9 +31,9 @@ import numpy as np
 
 from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
+from kvc.runtime.embeddings import token_feed
 from kvc.runtime.generate import Generation, far_past, far_past_fits
 from kvc.runtime.sampling import Sampling
-from kvc.runtime.embeddings import token_feed
 from kvc.runtime.session import Session
 
 

@@ -78,7 +78,8 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
     mask[0, M - n:] = 1
     pos = np.zeros((1, L), np.int64)
     pos[0, L - n:] = np.arange(k, k + n)
-    candidates = {"input_ids": ids, TOKEN_EMBEDS: None if embed is None else embed(ids), "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32)}
+    candidates = {"input_ids": ids, TOKEN_EMBEDS: None if embed is None else embed(ids),
+                  "token_type_ids": np.zeros_like(ids), "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32)}
     f16 = False
     for name, port in ports.items():
         if name in candidates:

@@ -59,7 +59,8 @@ def _static_but_rows(model: ov.Model) -> str | None:
         return None
     for port in model.inputs:
         shape = port.get_partial_shape()
-        rows = 1 if port.get_names() & set(ROW_INPUTS) else None
+        rows = (shape.rank.get_length() - 1 if "position_ids" in port.get_names() and shape.rank.is_static
+                else 1) if port.get_names() & set(ROW_INPUTS) else None  # 3-D position_ids: [3, 1, rows]
         if shape.rank.is_dynamic or any(d.is_dynamic for a, d in enumerate(shape) if a != rows):
             return (f"input {port.get_any_name()} is dynamic (shape {shape}) beyond the rows of a token input; a "
                     f"first chunk of dynamic rows has every other dimension static")

@@ -100,7 +100,7 @@ def test_verify_refuses_a_source_whose_text_embeddings_differ(compiled, tmp_path
     kvc("verify", compiled, "--against", source, "--backends", "numpy")
     weights = source / TEXT_EMBEDDINGS.replace(".xml", ".bin")
     data = bytearray(weights.read_bytes())
-    data[-4:] = np.float32(7.0).tobytes()
+    data[256:260] = np.float32(7.0).tobytes()  # the table is at offset 0: a value of token 1's row
     weights.write_bytes(bytes(data))
     result = kvc("verify", compiled, "--against", source, "--backends", "numpy", code=4)
     assert f"{TEXT_EMBEDDINGS.replace('.xml', '.bin')} differs from the source model's" in result.output
@@ -112,3 +112,42 @@ def test_a_vision_language_config_is_read_as_its_language_models():
     assert language_config(config) == {**config, "max_position_embeddings": 256, "sliding_window": 32,
                                        "eos_token_id": 2}
     assert language_config({"max_position_embeddings": 64}) == {"max_position_embeddings": 64}
+
+
+def _with_mrope_positions(name: str, out):
+    """Fixture `name` with its position_ids [B, S] replaced by mRoPE's [3, B, S] (Qwen2-VL's
+    language model: a temporal, height and width position per token), of which the model reads
+    the first row: a text's sections are all the same position, so its tokens are unchanged."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    shutil.copytree(fixtures.path(name), out)
+    model = ov.Core().read_model(fixtures.path(name) / "openvino_model.xml")  # not the copy, which is rewritten
+    old = next(p for p in model.get_parameters() if "position_ids" in p.output(0).get_names())
+    new = ops.parameter([3, -1, -1], np.int64, name="position_ids")
+    first = ops.gather(new, ops.constant(np.int64(0)), ops.constant(np.int64(0)))
+    old.output(0).set_names(set())
+    new.output(0).set_names({"position_ids"})
+    for target in list(old.output(0).get_target_inputs()):
+        target.replace_source_output(first.output(0))
+    model.remove_parameter(old)
+    model.add_parameters([new])
+    ov.save_model(model, out / "openvino_model.xml", compress_to_fp16=False)
+    return out
+
+
+@pytest.mark.parametrize("device", ["CPU", "NPU"])
+def test_three_dimensional_position_ids_are_static_and_fed_a_texts_positions(device, tmp_path):
+    """mRoPE's position_ids [3, B, S] become [3, 1, rows] (not [1, rows, S]: an internal error
+    before); kvc gives every section a text's positions, mask-positions reads the first row
+    (mistral's window), and the pipeline reproduces the model's PyTorch goldens."""
+    source = _with_mrope_positions("mistral", tmp_path / "model")
+    out = tmp_path / "out"
+    kvc("compile", source, "-o", out, "--device", device, *(("--inference-precision", "f32") if device == "CPU" else ()))
+    manifest = read_manifest(out)
+    for name, entry in manifest["models"].items():
+        rows = next(p["shape"][1] for p in entry["inputs"] if p["name"] == "input_ids")
+        assert next(p for p in entry["inputs"] if p["name"] == "position_ids")["shape"] == [3, 1, rows], name
+    pipe = open_compiled(out, {"CPU": "openvino", "NPU": "npu"}[device])
+    for prompt in fixtures.goldens("mistral")["prompts"]:
+        assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["torch"], prompt["name"]

@@ -415,3 +415,41 @@ def test_slot_positions_feed_rotary_positions_and_keep_causal_comparisons(form):
     assert out["rotary"].reshape(-1).tolist() == [1.0, 2.0, 3.0, 4.0]  # the pad row's position is any
     assert out["table"].tolist() == [10.0, 20.0, 30.0, 40.0]
     assert out["causal"].sum(axis=1).tolist() == [5, 6, 7, 8]  # still slots 4..7
+
+
+def test_a_window_written_as_a_difference_of_slots_measures_positions_and_the_causal_triu_keeps_its_diagonal():
+    """Gemma 3's language model as optimum-intel patches it: `q_idx = arange(q) + past_len` (the
+    past's length from the shapes), `beyond = (q_idx - kv_idx) >= W` over cache slots, beside a
+    causal triu whose diagonal (past + 1) is folded into its own arange. `index-compare` gives
+    the difference the positions (the window then counts tokens, not slots) and leaves the
+    causal comparison on slots: rewritten too, it lost its diagonal and masked each token itself."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from kvc.runtime.session import NumpySession
+
+    ids = ops.parameter([1, 1], np.int64, name="input_ids")
+    mask = ops.parameter([1, 8], np.int64, name="attention_mask")
+    pos = ops.parameter([1, 1], np.int64, name="position_ids")
+    for p in (ids, mask, pos):
+        p.output(0).set_names({p.get_friendly_name()})
+    i64 = lambda v: ops.constant(np.array(v, np.int64))  # noqa: E731
+    kv_len = ops.gather(ops.shape_of(mask), i64(1), i64(0))
+    steps = ops.gather(ops.shape_of(ids), i64(1), i64(0))
+    past_len = ops.subtract(kv_len, steps)
+    q_idx = ops.add(ops.unsqueeze(ops.range(i64(0), steps, i64(1), output_type="i64"), i64(1)), past_len)  # [1, 1]
+    kv_idx = ops.unsqueeze(ops.range(i64(0), kv_len, i64(1), output_type="i64"), i64(0))  # [1, 8]
+    beyond = ops.greater_equal(ops.subtract(q_idx, kv_idx), i64([[3]]))  # window 3
+    diagonal = ops.add(past_len, i64(1))
+    triu = ops.greater_equal(kv_idx, ops.unsqueeze(ops.range(diagonal, ops.add(diagonal, steps), i64(1),
+                                                             output_type="i64"), i64(1)))  # key after the query
+    for node, name in ((beyond, "beyond"), (triu, "triu")):
+        node.output(0).set_names({name})
+    model = ov.Model([beyond, triu], [ids, mask, pos])
+    record = PassManager(parse_pipeline("mask-positions"), use_env=False).run(model)
+    assert record.records[0].rule_hits == {"mask-positions/index-compare": 2}  # both seen, one windowed
+    # four past tokens left-aligned in slots 0..3, free slots 4..6, the new token (position 4) in slot 7
+    out = NumpySession(record.model).infer({"input_ids": np.ones((1, 1), np.int64), "position_ids": np.array([[4]]),
+                                            "attention_mask": np.array([[1, 1, 1, 1, 0, 0, 0, 1]])})
+    assert out["beyond"].reshape(-1).tolist() == [True, True, False, False, False, False, False, False]  # 4 - p >= 3
+    assert out["triu"].reshape(-1).tolist() == [False] * 8  # no slot after the newest
