@@ -601,7 +601,8 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
         check_no_nan_weights(model, str(resolve(model_path).model))
-        _require_kv_cache(model, resolve(model_path).model)
+        layout = _require_kv_cache(model, resolve(model_path).model)
+        _require_fed_inputs(model, resolve(model_path).model, layout)
         _require_integer_inputs(model, resolve(model_path).model)
         embedder_of(model, str(resolve(model_path).model))  # takes inputs_embeds: its text embeddings model, checked
         beyond = _beyond_max_positions(stated, options.static)
@@ -695,13 +696,14 @@ def _fit_note(beyond: str) -> str:
     return f"note: {beyond}; lower --max-prompt-len/--min-response-len to fit"
 
 
-def _require_kv_cache(model, file: Path) -> None:
-    """A model without a KV cache is valid but not kvc's to compile: exit 6, naming the file."""
+def _require_kv_cache(model, file: Path):
+    """A model without a KV cache is valid but not kvc's to compile: exit 6, naming the file.
+    Returns its KV layout."""
     from kvc.errors import InvalidModelError, PassError
     from kvc.ir.kv_discovery import kv_layout
 
     try:
-        kv_layout(model, str(file))
+        return kv_layout(model, str(file))
     except InvalidModelError as exc:
         if exc.code != "no-kv-cache":
             raise
@@ -711,6 +713,26 @@ def _require_kv_cache(model, file: Path) -> None:
 
 # Inputs that hold ids, positions or a mask: integers in every optimum-intel export.
 INTEGER_INPUTS = ("input_ids", "attention_mask", "position_ids", "beam_idx")
+# The inputs besides the KV cache that kvc's pipelines feed (inputs_embeds: through the text
+# embeddings model; token_type_ids: 0, text; kvc.runtime.embeddings.token_feed).
+FED_INPUTS = (*INTEGER_INPUTS, "inputs_embeds", "token_type_ids")
+
+
+def _require_fed_inputs(model, file: Path, layout) -> None:
+    """Every input must be one kvc feeds (FED_INPUTS, or the past of `layout`, the model's KV
+    layout), else exit 3 naming it: Qwen3-VL's language model also takes visual_pos_masks and
+    deepstack_visual_embeds, which failed the compile later (a static shape unknown, exit 6),
+    and an input of a static shape no feed gives failed at the first probe ("missing input")."""
+    from kvc.errors import InvalidModelError
+
+    fed = set(FED_INPUTS) | {t.input_name for t in layout.tensors}
+    for port in model.inputs:
+        if not port.get_names() & fed:
+            raise InvalidModelError(
+                "unknown-input", str(file), f"input {port.get_any_name()} is not one kvc can feed",
+                expected="input_ids or inputs_embeds, attention_mask, position_ids, token_type_ids, beam_idx "
+                         "and the KV cache", found=f"{port.get_any_name()} {port.get_element_type().get_type_name()}"
+                                               f"{port.get_partial_shape()}")
 
 
 def _require_integer_inputs(model, file: Path) -> None:

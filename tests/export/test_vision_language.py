@@ -151,3 +151,22 @@ def test_three_dimensional_position_ids_are_static_and_fed_a_texts_positions(dev
     pipe = open_compiled(out, {"CPU": "openvino", "NPU": "npu"}[device])
     for prompt in fixtures.goldens("mistral")["prompts"]:
         assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["torch"], prompt["name"]
+
+
+def test_an_input_kvc_cannot_feed_is_refused_before_anything_runs(tmp_path):
+    """Qwen3-VL's language model also takes visual_pos_masks and deepstack_visual_embeds: kvc
+    feeds neither, and said so only at a pass (exit 6) or at the first probe (exit 2)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    source = tmp_path / "model"
+    shutil.copytree(fixtures.path("llama"), source)
+    model = ov.Core().read_model(fixtures.path("llama") / "openvino_model.xml")
+    extra = ops.parameter([-1, -1], ov.Type.boolean, name="visual_pos_masks")
+    extra.output(0).set_names({"visual_pos_masks"})
+    model.add_parameters([extra])
+    ov.save_model(model, source / "openvino_model.xml", compress_to_fp16=False)
+    result = kvc("compile", source, "-o", tmp_path / "out", code=3)
+    assert "openvino_model.xml: input visual_pos_masks is not one kvc can feed" in result.output
+    assert "found visual_pos_masks boolean[?,?]) [unknown-input]" in result.output
+    assert not (tmp_path / "out").exists()
