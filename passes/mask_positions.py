@@ -12,14 +12,17 @@ is masked by attention_mask); anything that measures a distance is wrong. Three 
   Mistral): a comparison (Greater/Less[Equal]) of the q and kv index vectors, found up
   through Unsqueeze, Reshape, Squeeze, Convert and constant offsets, or of their difference
   with a constant (Gemma 3's language model as optimum-intel patches it: ``q_idx - kv_idx >=
-  W``). When some comparison offsets an index by a constant or compares a difference (a
-  window), every such comparison (or difference) gets
+  W``; its ``q_idx = arange(q_len) + past_len`` adds the past's length from the shapes, which
+  the positions replace). Each comparison that measures a distance (an index offset by a
+  constant, or a difference: a window) gets
 
       q_idx  <- position_ids[0]                              (this step's positions)
       kv_idx <- concat(arange(past_len), position_ids[0])    (left-aligned past, then this step)
 
   on its comparison paths only (the padding lookup ``attention_mask[kv_idx]`` indexes slots
-  and keeps the slot vector).
+  and keeps the slot vector). A causal comparison keeps its slots: slot order is position
+  order, and it may fold a diagonal into its index vector (Gemma 3's triu compares with
+  ``arange(past_len + 1, ...)``), which positions would drop.
 * ``mask-positions/band-table`` (GPT-Neo's local layers): a constant boolean ``bias[M, M]``
   that is not plain causal (causal XOR causal shifted by the window), sliced
   ``bias[kv - q : kv, :kv]`` (row = query slot, column = key slot), becomes
