@@ -17,16 +17,21 @@ from kvc.runtime.embeddings import language_config
 from tests.cli.runner import kvc
 
 NAME = "llava"
+# The vision-language fixtures: LLaVA (Llama), Gemma 3 (token_type_ids, a window over a
+# difference of slots), Qwen2.5-VL (mRoPE's 3-D position_ids).
+VISION = ("llava", "gemma3", "qwen2_5_vl")
+
+
+def _compile(name: str, out):
+    """CPU blobs at f32 (exact: the default bf16 is judged by the plugin's own drift, in the
+    zoo-wide tests) and NPU blobs."""
+    kvc("compile", fixtures.path(name), "-o", out, "--device", "CPU", "--device", "NPU", "--inference-precision", "f32")
+    return out
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """CPU blobs at f32 (exact: the default bf16 is judged by the plugin's own drift, in the
-    zoo-wide tests) and NPU blobs."""
-    out = tmp_path_factory.mktemp("vlm") / "out"
-    kvc("compile", fixtures.path(NAME), "-o", out, "--device", "CPU", "--device", "NPU",
-        "--inference-precision", "f32")
-    return out
+    return _compile(NAME, tmp_path_factory.mktemp("vlm") / "out")
 
 
 def test_the_models_take_rows_and_the_directory_carries_their_text_embeddings_model(compiled):
@@ -47,12 +52,14 @@ def test_the_models_take_rows_and_the_directory_carries_their_text_embeddings_mo
         assert RT_KEY not in (compiled / entry["xml"]).read_text()
 
 
-@pytest.mark.parametrize("backend", ["numpy", "openvino", "npu"])
-def test_the_compiled_pipeline_gives_the_torch_goldens(compiled, backend):
-    pipe = open_compiled(compiled, backend)
-    for prompt in fixtures.goldens(NAME)["prompts"]:
-        assert pipe.generate(prompt["ids"], len(prompt["tokens"]["torch"])).tokens == prompt["tokens"]["torch"], \
-            (backend, prompt["name"])
+@pytest.mark.parametrize("name", VISION)
+def test_the_compiled_pipeline_gives_the_torch_goldens(name, tmp_path):
+    out = _compile(name, tmp_path / "out")
+    for backend in ("numpy", "openvino", "npu"):
+        pipe = open_compiled(out, backend)
+        for prompt in fixtures.goldens(name)["prompts"]:
+            assert pipe.generate(prompt["ids"], len(prompt["tokens"]["torch"])).tokens == prompt["tokens"]["torch"], \
+                (backend, prompt["name"])
 
 
 def test_the_same_model_elsewhere_compiles_to_the_same_bytes(tmp_path):
