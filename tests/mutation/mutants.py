@@ -260,15 +260,20 @@ def chunk_past_beyond_C_ignored(name, model):
 
 @mutant
 def window_off_by_one(name, model):
-    """every model: the sliding window's comparison one token short (kv > q - W + 1)."""
+    """every model: the sliding window's comparison one token short (kv > q - W + 1; Gemma 3's
+    (q - kv) >= W as (q - kv) >= W - 1)."""
     n = 0
+    compares = ("Greater", "GreaterEqual", "Less", "LessEqual")
     for op in model.get_ops():
-        if op.get_type_name() == "Add" and any(t.get_node().get_type_name() in ("Greater", "GreaterEqual", "Less",
-                                                                                  "LessEqual")
+        if op.get_type_name() == "Add" and any(t.get_node().get_type_name() in compares
                                                for t in op.output(0).get_target_inputs()):
             c = op.input_value(1).get_node()
             if c.get_type_name() == "Constant" and scalar(c) is not None and abs(scalar(c)) >= 4:
                 n += edit_const(c, lambda d: d + 1)
+        elif op.get_type_name() in compares and op.input_value(0).get_node().get_type_name() == "Subtract":
+            c = op.input_value(1).get_node()
+            if c.get_type_name() == "Constant" and scalar(c) is not None and abs(scalar(c)) >= 4:
+                n += edit_const(c, lambda d: d - 1)
     return n
 
 
