@@ -727,6 +727,11 @@ def _require_fed_inputs(model, file: Path, layout) -> None:
 
     fed = set(FED_INPUTS) | {t.input_name for t in layout.tensors}
     for port in model.inputs:
+        shape = port.get_partial_shape()
+        if "position_ids" in port.get_names() and shape.rank.is_static and shape.rank.get_length() == 3 \
+                and shape[0].is_dynamic:  # mRoPE's sections must be stated: [3, ?, ?]
+            raise InvalidModelError("bad-input", str(file), "3-D position_ids must state their sections",
+                                    expected="[3, ?, ?] (mRoPE)", found=str(shape))
         if not port.get_names() & fed:
             raise InvalidModelError(
                 "unknown-input", str(file), f"input {port.get_any_name()} is not one kvc can feed",

@@ -238,6 +238,8 @@ def _check_structure(manifest: dict, path: Path) -> None:
         _check_model(model_name, model, bad)
         named.append(model["xml"])
         named += [b["file"] for b in model["blobs"].values()]
+        if any(port["name"] == TOKEN_EMBEDS for port in model["inputs"]):  # the rows of its ids come from it
+            named += [TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin")]
         for device, blob in model["blobs"].items():
             weights = blob["import_config"].get("WEIGHTS_PATH", manifest["weights"])
             if weights != manifest["weights"]:  # the blob's weights are the directory's weights file
@@ -246,7 +248,7 @@ def _check_structure(manifest: dict, path: Path) -> None:
     for name in named:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
-                      "in files")
+                      "(and a text embeddings model, for models that take inputs_embeds) in files")
     _check_plan_against_ports(manifest, plan, bad)
     shared = [(name, device, blob) for name, model in manifest["models"].items()
               for device, blob in model["blobs"].items() if "branches" in blob]

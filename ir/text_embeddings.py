@@ -32,8 +32,8 @@ def attach(model: ov.Model, model_path: Path) -> None:
     """Record on `model` (read from `model_path`) the text embeddings model beside it, when it
     takes `inputs_embeds` and one is there."""
     beside = Path(model_path).parent / TEXT_EMBEDDINGS
-    if takes_embeds(model) and beside.is_file():
-        model.get_rt_info()[RT_KEY] = str(beside.resolve())
+    if takes_embeds(model) and beside.is_file():  # not resolved: reading it refuses a link out of the directory
+        model.get_rt_info()[RT_KEY] = str(beside.absolute())
 
 
 def detach(model: ov.Model) -> str | None:

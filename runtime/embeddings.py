@@ -62,7 +62,7 @@ def embedder_beside(directory: Path, name: str, inputs: list[dict]) -> Embedder 
     if port is None:
         return None
     path = Path(directory) / TEXT_EMBEDDINGS
-    return _found(str(path.resolve()) if path.is_file() else None, port["shape"][-1], f"{directory}: model {name!r}")
+    return _found(str(path.absolute()) if path.is_file() else None, port["shape"][-1], f"{directory}: model {name!r}")
 
 
 def _found(path: str | None, width: int, where: str) -> Embedder:
@@ -73,17 +73,19 @@ def _found(path: str | None, width: int, where: str) -> Embedder:
             f"token ids through the text embeddings model beside it", expected=f"{TEXT_EMBEDDINGS} in its directory",
             found="none")
     files = (Path(path), Path(path).with_suffix(".bin"))
-    return _embedder(path, width, tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in map(_stat, files)))
+    stamp = tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for s in map(_stat, files))
+    return _embedder(path, width, stamp)
 
 
 def _stat(path: Path):
     try:
         return path.stat()
     except FileNotFoundError:
-        raise InvalidModelError("no-text-embeddings", str(path), "is missing", found="no such file") from None
+        raise InvalidModelError("no-text-embeddings", str(path), "is missing", expected="a file",
+                                found="no such file") from None
 
 
-@functools.cache
+@functools.lru_cache(maxsize=8)
 def _embedder(path: str, width: int, stamp: tuple) -> Embedder:
     """One embedder per file, width and version of the files (`stamp`) in a process: each
     compiles its model once, and a file replaced is read again."""
@@ -103,20 +105,25 @@ class Embedder:
             raise InvalidModelError("bad-text-embeddings", str(path), "is not a text embeddings model",
                                     expected="one input (token ids) and one output (their rows)",
                                     found=f"{len(model.inputs)} inputs, {len(model.outputs)} outputs")
-        out = model.output(0)
-        found_width = out.get_partial_shape()[-1]
-        if out.get_element_type() != ov.Type.f32 or (width > 0 and (not found_width.is_static
-                                                                      or found_width.get_length() != width)):
+        ids, out = model.input(0), model.output(0)
+        if not ids.get_element_type().is_integral() or ids.get_partial_shape().rank != 2:
+            raise InvalidModelError("bad-text-embeddings", str(path), "does not take token ids [B, S]",
+                                    expected="an integer input of rank 2",
+                                    found=f"{ids.get_element_type().get_type_name()}{ids.get_partial_shape()}")
+        shape = out.get_partial_shape()
+        if out.get_element_type() != ov.Type.f32 or shape.rank != 3 or (
+                width > 0 and (not shape[2].is_static or shape[2].get_length() != width)):
             raise InvalidModelError("bad-text-embeddings", str(path),
                                     "gives rows the language model's inputs_embeds cannot take",
                                     expected=f"f32[?,?,{width}]", found=f"{out.get_element_type().get_type_name()}"
-                                    f"{out.get_partial_shape()}")
+                                    f"{shape}")
         self.path, self.width = path, width
-        self._input, self._output = model.input(0).get_any_name(), out.get_any_name()
+        self._input, self._output = ids.get_any_name(), out.get_any_name()
+        self._dtype = ids.get_element_type().to_dtype()
         self._session = OpenVINOSession(model, "CPU")
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        out = self._session.infer({self._input: np.asarray(ids, np.int64)})
+        out = self._session.infer({self._input: np.asarray(ids, self._dtype)})
         return np.asarray(out[self._output], np.float32)
 
 

@@ -85,19 +85,56 @@ def test_a_model_that_takes_rows_without_its_text_embeddings_model_is_refused(tm
     assert not (tmp_path / "out").exists()
 
 
-def test_a_text_embeddings_model_of_another_width_is_refused(tmp_path):
+@pytest.mark.parametrize("form, found", [
+    ("width", "found f32[?,?,32]"),  # rows of another width
+    ("rank", "found f32[?,64]"),  # a row per token, the batch flattened away
+    ("float-ids", "found f32[?,?]"),  # ids as floats
+])
+def test_a_text_embeddings_model_the_language_model_cannot_use_is_refused_up_front(form, found, tmp_path):
     import openvino as ov
     import openvino.opset13 as ops
 
     source = tmp_path / "model"
     shutil.copytree(fixtures.path(NAME), source)
-    ids = ops.parameter([-1, -1], np.int64, name="input")
+    ids = ops.parameter([-1, -1], np.float32 if form == "float-ids" else np.int64, name="input")
     ids.output(0).set_names({"input"})
-    rows = ops.gather(ops.constant(np.ones((385, 32), np.float32)), ids, 0)
+    index = ops.convert(ids, "i64") if form == "float-ids" else ids
+    rows = ops.gather(ops.constant(np.ones((385, 32 if form == "width" else 64), np.float32)), index, 0)
+    if form == "rank":
+        rows = ops.reshape(rows, ops.constant(np.array([-1, 64], np.int64)), False)
     rows.output(0).set_names({"inputs_embeds"})
     ov.save_model(ov.Model([rows], [ids], "embeddings"), source / TEXT_EMBEDDINGS)
     result = kvc("compile", source, "-o", tmp_path / "out", code=3)
-    assert "expected f32[?,?,64], found f32[?,?,32]" in result.output and "[bad-text-embeddings]" in result.output
+    assert found in result.output and "[bad-text-embeddings]" in result.output
+    assert "verifying" not in result.output  # refused before the static models run
+
+
+def test_a_text_embeddings_model_linked_from_outside_the_directory_is_refused(tmp_path):
+    source, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    shutil.copytree(fixtures.path(NAME), source)
+    elsewhere.mkdir()
+    shutil.move(source / TEXT_EMBEDDINGS, elsewhere / TEXT_EMBEDDINGS)
+    (source / TEXT_EMBEDDINGS).symlink_to(elsewhere / TEXT_EMBEDDINGS)
+    result = kvc("compile", source, "-o", tmp_path / "out", code=3)
+    assert "[path-escape]" in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_directory_whose_manifest_leaves_out_its_text_embeddings_model_is_refused(compiled, tmp_path):
+    """The text embeddings model gives every row the compiled models read: a manifest that
+    does not list it (and so no hash of it) is refused, else a replaced one ran unchecked
+    (the review's: `kvc verify` OK, `kvc run` other tokens for an id no probe feeds)."""
+    import json
+
+    copy = tmp_path / "out"
+    shutil.copytree(compiled, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for name in (TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin")):
+        del manifest["files"][name]
+        manifest["tokenizer"].remove(name)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    for command in (("verify", copy), ("run", copy, "--prompt-ids", "1,2,3")):
+        result = kvc(*command, code=3)
+        assert f"'{TEXT_EMBEDDINGS}' is used but not listed with its hash" in result.output, command
 
 
 def test_verify_refuses_a_source_whose_text_embeddings_differ(compiled, tmp_path):
@@ -141,6 +178,17 @@ def _with_mrope_positions(name: str, out):
     model.add_parameters([new])
     ov.save_model(model, out / "openvino_model.xml", compress_to_fp16=False)
     return out
+
+
+def test_three_dimensional_position_ids_must_state_their_sections(tmp_path):
+    source = _with_mrope_positions("mistral", tmp_path / "model")
+    xml = source / "openvino_model.xml"
+    text = xml.read_text()
+    assert text.count('shape="3,?,?"') == 1
+    xml.write_text(text.replace('shape="3,?,?"', 'shape="?,?,?"'))
+    result = kvc("compile", source, "-o", tmp_path / "out", code=3)
+    assert "3-D position_ids must state their sections (expected [3, ?, ?] (mRoPE), found [?,?,?]) [bad-input]" \
+        in result.output
 
 
 @pytest.mark.parametrize("device", ["CPU", "NPU"])
