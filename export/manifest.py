@@ -418,7 +418,7 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
             raise bad(f"model {name!r} has no logits output [.., V]", found=sorted(outputs))
         vocab.add(logits["shape"][-1])
         for spec in plan.kv:
-            wanted = [(outputs, spec.output, "output", None)]
+            wanted = [(outputs, spec.output, "output", step)]  # this step's rows: C, P, B, F or G
             if kind == "generate":
                 wanted.append((inputs, spec.input, "input", size - L.tokens))
             elif kind == "first" and spec.input in inputs:

@@ -602,6 +602,9 @@ def build(tmp: Path) -> list[Case]:
             Run("run", cd, INVALID, ("manifest.json", "lengths"))]),
         ("compiled-manifest-ports-lie", "the manifest lists a prefill input shape the model does not have", [
             Run("run", cd, INVALID, ("manifest.json", "input_ids"))]),
+        ("compiled-manifest-present-rows", "a model's present rows one short: an If blob's outputs are cut to "
+         "them, and a first chunk generated other tokens with exit 0 (fuzz)", [
+            Run("run", cd, INVALID, ("manifest.json", "present.0.key", "KV layout"))]),
     ):
         cases.append(Case(name, what, runs, tmp / name))
     return cases
@@ -667,6 +670,9 @@ def prepare_compiled(case: Case, good: Path) -> None:
     elif n == "compiled-manifest-ports-lie":
         port = next(p for p in m["models"]["prefill"]["inputs"] if p["name"] == "input_ids")
         port["shape"][-1] += 1
+    elif n == "compiled-manifest-present-rows":
+        port = next(p for p in m["models"]["prefill"]["outputs"] if p["name"] == "present.0.key")
+        port["shape"][2] -= 1
     if n == "compiled-manifest-not-utf8":
         mpath.write_bytes(mpath.read_bytes().replace(b'"format"', b'"\xbbormat"', 1))
     elif n == "compiled-manifest-not-json":
