@@ -44,7 +44,7 @@ from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
 from kvc.plan import StaticOptions
-from kvc.ir.text_embeddings import TEXT_EMBEDDINGS
+from kvc.ir.text_embeddings import TEXT_EMBEDDINGS_FILES
 from kvc.runtime.embeddings import embedder_of, language_config
 from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
@@ -59,7 +59,7 @@ SMALL_CONSTANT_BYTES = 16 << 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
                    "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
                    "openvino_detokenizer.xml", "openvino_detokenizer.bin",
-                   TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin"))
+                   *TEXT_EMBEDDINGS_FILES)
 
 
 def device_config(device: str, *, for_export: bool, precision: str = "f32") -> dict:
@@ -600,11 +600,12 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
     progress("running passes: " + format_pipeline(common_passes(options.static)) + ", then one branch per static model")
     with Bundle(work) as bundle:  # weights copied and graphs written while the passes run
         model = load(model_path, consts_found=bundle.start_weights_file)
-        check_no_nan_weights(model, str(resolve(model_path).model))
-        layout = _require_kv_cache(model, resolve(model_path).model)
-        _require_fed_inputs(model, resolve(model_path).model, layout)
-        _require_integer_inputs(model, resolve(model_path).model)
-        embedder_of(model, str(resolve(model_path).model))  # takes inputs_embeds: its text embeddings model, checked
+        source = resolve(model_path).model
+        check_no_nan_weights(model, str(source))
+        layout = _require_kv_cache(model, source)
+        _require_fed_inputs(model, source, layout)
+        _require_integer_inputs(model, source)
+        embedder_of(model, str(source))  # takes inputs_embeds: its text embeddings model, checked
         beyond = _beyond_max_positions(stated, options.static)
         if beyond:
             progress(f"warning: {beyond}; positions past it are outside what the model was built for")
@@ -613,7 +614,7 @@ def _build_and_save(model_path: Path, work: Path, options: CompileOptions, state
         except PassFailure as exc:
             if beyond:
                 exc.add_context(_fit_note(beyond))
-            raise exc.in_file(resolve(model_path).model) from None
+            raise exc.in_file(source) from None
         progress("saving " + ", ".join(static.models) + f" with one shared {WEIGHTS_FILE}")
         xmls = bundle.commit()
     return static, xmls

@@ -25,7 +25,8 @@ from kvc import jsontext
 from kvc.errors import DeviceError, InvalidModelError, UsageError
 from kvc.ir.validate import check_inside
 from kvc.plan import StaticPlan
-from kvc.ir.text_embeddings import TEXT_EMBEDDINGS, TOKEN_EMBEDS
+from kvc.ir.text_embeddings import TEXT_EMBEDDINGS_FILES, TOKEN_EMBEDS
+from kvc.ir.text_embeddings import token_input as _token_input
 
 MANIFEST = "manifest.json"
 # 2: files hold {"bytes", "sha256"}; the source path is absolute.
@@ -64,9 +65,9 @@ def source_files(path: Path) -> list[Path]:
     from kvc.ir.reader import resolve
 
     files = resolve(path)
-    embeddings = files.model.parent / TEXT_EMBEDDINGS
+    embeddings = [files.model.parent / name for name in TEXT_EMBEDDINGS_FILES]
     return ([files.model] + ([files.weights] if files.weights is not None and files.weights.exists() else [])
-            + [f for f in (embeddings, embeddings.with_suffix(".bin")) if files.kind == "ir" and f.is_file()])
+            + [f for f in embeddings if files.kind == "ir" and f.is_file()])
 
 
 def source_hashes(path: Path) -> dict[str, str]:
@@ -238,8 +239,8 @@ def _check_structure(manifest: dict, path: Path) -> None:
         _check_model(model_name, model, bad)
         named.append(model["xml"])
         named += [b["file"] for b in model["blobs"].values()]
-        if any(port["name"] == TOKEN_EMBEDS for port in model["inputs"]):  # the rows of its ids come from it
-            named += [TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin")]
+        if _token_input({port["name"] for port in model["inputs"]}) == TOKEN_EMBEDS:  # its ids' rows come from it
+            named += TEXT_EMBEDDINGS_FILES
         for device, blob in model["blobs"].items():
             weights = blob["import_config"].get("WEIGHTS_PATH", manifest["weights"])
             if weights != manifest["weights"]:  # the blob's weights are the directory's weights file
@@ -405,9 +406,9 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
         step, span = {"prefill": (size or L.chunk or L.prompt, L.prompt), "first": (rows, rows),
                       "generate": (L.tokens, size)}[kind]
         # (A language model that takes inputs_embeds: [1, rows, H] in place of the ids.)
-        token, width = ("input_ids", [])
-        if "input_ids" not in inputs and TOKEN_EMBEDS in inputs:
-            token, width = TOKEN_EMBEDS, inputs[TOKEN_EMBEDS]["shape"][2:3] or [-1]
+        token, width = _token_input(inputs), []
+        if token == TOKEN_EMBEDS:
+            width = inputs[TOKEN_EMBEDS]["shape"][2:3] or [-1]
             widths.add(width[0])
         for port, want in ((token, [1, step, *width]), ("attention_mask", [1, span])):
             if port not in inputs or inputs[port]["shape"] != want:
@@ -448,8 +449,7 @@ def _check_plan_against_ports(manifest: dict, plan: StaticPlan, bad) -> None:
 def token_input(manifest: dict) -> str:
     """The name of the compiled models' token input: input_ids, or inputs_embeds (a
     vision-language model's language model: kvc.runtime.embeddings)."""
-    names = {p["name"] for p in manifest["models"]["prefill"]["inputs"]}
-    return TOKEN_EMBEDS if TOKEN_EMBEDS in names and "input_ids" not in names else "input_ids"
+    return _token_input({p["name"] for p in manifest["models"]["prefill"]["inputs"]})
 
 
 def check_ports(directory, name: str, entry: dict, ports_in, ports_out) -> None:

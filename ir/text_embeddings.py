@@ -17,15 +17,21 @@ from pathlib import Path
 import openvino as ov
 
 TEXT_EMBEDDINGS = "openvino_text_embeddings_model.xml"  # optimum-intel's name, kept in a compiled directory
+TEXT_EMBEDDINGS_FILES = (TEXT_EMBEDDINGS, TEXT_EMBEDDINGS.replace(".xml", ".bin"))  # the model and its weights
 TOKEN_EMBEDS = "inputs_embeds"
 # Model rt_info naming the text embeddings model found beside it (an absolute path; never saved).
 RT_KEY = "kvc_text_embeddings"
 
 
+def token_input(names) -> str:
+    """The token input of a model with inputs of these `names`: `inputs_embeds` when it takes
+    that and not `input_ids`, else `input_ids`."""
+    return TOKEN_EMBEDS if TOKEN_EMBEDS in names and "input_ids" not in names else "input_ids"
+
+
 def takes_embeds(model: ov.Model) -> bool:
-    """Whether `model`'s token input is `inputs_embeds` (and not `input_ids`)."""
-    names = {n for p in model.inputs for n in p.get_names()}
-    return TOKEN_EMBEDS in names and "input_ids" not in names
+    """Whether `model`'s token input is `inputs_embeds` (`token_input`)."""
+    return token_input({n for p in model.inputs for n in p.get_names()}) == TOKEN_EMBEDS
 
 
 def attach(model: ov.Model, model_path: Path) -> None:

@@ -177,7 +177,7 @@ def _plan(d: ReportData) -> str:
 def _models(d: ReportData) -> str:
     m = d.manifest
     rows = []
-    ports = []
+    ports, token = [], token_input(m)
     for name in model_order(m["models"]):
         entry = m["models"][name]
         shapes = {p["name"]: "×".join(map(str, p["shape"])) for p in entry["inputs"]}
@@ -185,14 +185,14 @@ def _models(d: ReportData) -> str:
         blobs = "; ".join(f"{dev} {_bytes(b['bytes']) if isinstance(b.get('bytes'), int) else '?'} "
                           f"{b['import_config'].get('INFERENCE_PRECISION_HINT', '')}".rstrip() + shared_with(name, b)
                           for dev, b in sorted(entry["blobs"].items()))
-        rows.append([name, entry["xml"], shapes.get(token_input(m)), shapes.get("attention_mask"), past, blobs or None])
+        rows.append([name, entry["xml"], shapes.get(token), shapes.get("attention_mask"), past, blobs or None])
         port_rows = [[side, p["name"], p["element_type"], "×".join(map(str, p["shape"]))]
                      for side in ("inputs", "outputs") for p in entry[side]]
         ports.append(f"<details><summary>{_t(name)}: {len(entry['inputs'])} inputs, {len(entry['outputs'])} "
                      f"outputs</summary>{_table(['', 'name', 'element type', 'shape'], port_rows)}</details>")
     weights = m["files"].get(m["weights"], {}).get("bytes")
     return ('<section id="models"><h2>Models and blobs</h2>'
-            + _table(["model", "IR", token_input(m), "attention_mask", "past KV", "blobs"], rows)
+            + _table(["model", "IR", token, "attention_mask", "past KV", "blobs"], rows)
             + f"<p>All models read one <code>{_t(m['weights'])}</code>"
             + (f" ({_t(_bytes(weights))})" if isinstance(weights, int) else "") + ".</p>"
             + "".join(ports) + "</section>")

@@ -35,7 +35,7 @@ import numpy as np
 import openvino as ov
 
 from kvc.errors import InvalidModelError
-from kvc.ir.text_embeddings import RT_KEY, TEXT_EMBEDDINGS, TOKEN_EMBEDS, takes_embeds
+from kvc.ir.text_embeddings import RT_KEY, TEXT_EMBEDDINGS, TOKEN_EMBEDS, takes_embeds, token_input
 
 
 def language_config(config: dict) -> dict:
@@ -58,9 +58,9 @@ def embedder_of(model: ov.Model, where: str | None = None) -> Embedder | None:
 
 def embedder_beside(directory: Path, name: str, inputs: list[dict]) -> Embedder | None:
     """The embedder of compiled model `name` of `directory`, from its manifest `inputs`."""
-    port = next((p for p in inputs if p["name"] == TOKEN_EMBEDS), None)
-    if port is None:
+    if token_input({p["name"] for p in inputs}) != TOKEN_EMBEDS:
         return None
+    port = next(p for p in inputs if p["name"] == TOKEN_EMBEDS)
     path = Path(directory) / TEXT_EMBEDDINGS
     return _found(str(path.absolute()) if path.is_file() else None, port["shape"][-1], f"{directory}: model {name!r}")
 
@@ -117,7 +117,6 @@ class Embedder:
                                     "gives rows the language model's inputs_embeds cannot take",
                                     expected=f"f32[?,?,{width}]", found=f"{out.get_element_type().get_type_name()}"
                                     f"{shape}")
-        self.path, self.width = path, width
         self._input, self._output = ids.get_any_name(), out.get_any_name()
         self._dtype = ids.get_element_type().to_dtype()
         self._session = OpenVINOSession(model, "CPU")
