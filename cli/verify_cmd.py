@@ -100,9 +100,11 @@ def default_backends(out: Path, from_ir: bool) -> tuple[str, ...]:
 
 
 def _tokens(row: dict) -> str:
-    """A prompt's length, and where a far probe starts (`probe_cases`)."""
+    """A prompt's length, where a far probe starts (`probe_cases`), and an image's rows
+    (`media_probe`)."""
     return (f"{row['prompt_tokens']}" + (f" from {row['from_position']}" if row.get("from_position") else "")
-            + (" (far past)" if row.get("far_past") else ""))
+            + (" (far past)" if row.get("far_past") else "")
+            + "".join(f" (image {start}-{start + m - 1})" for start, m in row.get("media", ())))
 
 
 def _dash(v):

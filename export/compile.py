@@ -530,7 +530,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
               for name, xml in xmls.items()}
     vocab = static.models["prefill"].output("logits").get_partial_shape()[-1].get_length()
     from kvc.runtime.generate import far_past_fits
-    from kvc.verify.compiled import probe_cases, selects, special_ids
+    from kvc.verify.compiled import media_probe, probe_cases, selects, special_ids
 
     selecting = selects(static.models.values())  # a TopK: reduced arithmetic gets the wider bound
     integer = integer_weights(static.models["prefill"])  # the static models share their weights
@@ -567,6 +567,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         root = resolve(model_path).root
         cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens, window=model_window(root),
                             specials=special_ids(root, vocab), filled=far_past_fits(static.plan.kv_element_types))
+        cases += media_probe(manifest, static.plan.lengths, vocab, options.verify_tokens)
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
                                                                 options, progress, compiler, compile_for)
         if unread is not None:

@@ -29,12 +29,13 @@ The rules:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
-from kvc.errors import InvalidModelError
+from kvc.errors import InvalidModelError, UsageError
 from kvc.ir.text_embeddings import RT_KEY, TEXT_EMBEDDINGS, TOKEN_EMBEDS, takes_embeds, token_input
 
 
@@ -118,6 +119,7 @@ class Embedder:
                                     expected=f"f32[?,?,{width}]", found=f"{out.get_element_type().get_type_name()}"
                                     f"{shape}")
         self._input, self._output = ids.get_any_name(), out.get_any_name()
+        self.width = shape[2].get_length() if shape[2].is_static else width  # a row's
         self._dtype = ids.get_element_type().to_dtype()
         self._session = OpenVINOSession(model, "CPU")
 
@@ -126,11 +128,83 @@ class Embedder:
         return np.asarray(out[self._output], np.float32)
 
 
-def token_feed(session, ids: np.ndarray) -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class Media:
+    """What a vision-language pipeline feeds for a prompt besides its token ids: the rows of its
+    media tokens (an image's, from the vision encoder), which take the place of their ids' rows,
+    and the prompt's positions where they are not its slots.
+
+    * `spans`: (start, rows [m, H] f32) pairs, sorted and disjoint: prompt positions
+      `[start, start + m)` take those rows, and `token_type_ids` 1 (what Gemma 3's language
+      model reads to let an image's tokens attend each other both ways; its other tokens are
+      text, 0).
+    * `positions`: None (position = slot), or the prompt's `[3, n]` positions: Qwen2-VL's
+      mRoPE, a text token's three sections alike, an image's its t/h/w grid. A token generated
+      into slot s then sits at s + `shift` (the prompt's last position + 1 - n), as
+      transformers' `rope_deltas` place it.
+
+    A model that reads `token_type_ids` computes an image's both-ways attention only in a
+    call over no past (optimum's patch lays the step's types over the mask's first columns:
+    over a past they fall on the past's slots), so a static pipeline runs the prompt up to the
+    end of its last span in its first call (`StaticPipeline.prefill_prompt`), as the source
+    model computes a whole prompt in one."""
+
+    spans: tuple[tuple[int, np.ndarray], ...] = ()
+    positions: np.ndarray | None = None
+
+    def check(self, n: int, embed) -> None:
+        """Refuse media that do not fit an `n`-token prompt of a session whose embedder is
+        `embed` (None: the model takes ids, so no rows), or rows of another width."""
+        end = 0
+        for start, rows in self.spans:
+            rows = np.asarray(rows)
+            if embed is None:
+                raise UsageError("media rows need a model that takes inputs_embeds (the language model of a "
+                                 "vision-language export); this one takes input_ids")
+            if rows.ndim != 2 or rows.shape[1] != embed.width or not rows.shape[0]:
+                raise UsageError(f"media rows at position {start}: expected [m, {embed.width}], found "
+                                 f"{list(rows.shape)}")
+            if start < end or start + rows.shape[0] > n:
+                raise UsageError(f"media span [{start}, {start + rows.shape[0]}) must follow the one before it "
+                                 f"(ending at {end}) and lie within the {n}-token prompt")
+            end = start + rows.shape[0]
+        if self.positions is not None and np.shape(self.positions) != (3, n):
+            raise UsageError(f"media positions: expected [3, {n}] (mRoPE's sections of every prompt token), "
+                             f"found {list(np.shape(self.positions))}")
+
+    def key(self) -> tuple:
+        """The media's content, hashable: a cache of runs keys on it."""
+        return (tuple((start, np.asarray(rows, np.float32).tobytes()) for start, rows in self.spans),
+                None if self.positions is None else np.asarray(self.positions, np.int64).tobytes())
+
+    @property
+    def end(self) -> int:
+        """The position after the last span (0 without spans)."""
+        return max((start + len(rows) for start, rows in self.spans), default=0)
+
+    @property
+    def shift(self) -> int:
+        """Where generated tokens sit past their slots: the prompt's last position + 1 - n."""
+        if self.positions is None:
+            return 0
+        return int(np.max(self.positions)) + 1 - np.shape(self.positions)[1]
+
+
+def token_feed(session, ids: np.ndarray, media: Media | None = None, at: np.ndarray | None = None,
+               ) -> dict[str, np.ndarray]:
     """The token inputs of one step of `session` (the caller keeps those it has): `input_ids`,
     or their rows as `inputs_embeds` when the session's model takes rows (`session.embed`, set
     where it is opened); and `token_type_ids`, 0 for every token: text (Gemma 3's language
-    model marks an image's tokens 1, to attend each other both ways)."""
+    model marks an image's tokens 1, to attend each other both ways). With `media`, `at`
+    [B, S] gives each token's prompt position (-1: a pad), and the tokens of its spans take
+    their rows and type 1."""
     embed = getattr(session, "embed", None)
     tokens = {"input_ids": ids} if embed is None else {TOKEN_EMBEDS: embed(ids)}
-    return {**tokens, "token_type_ids": np.zeros(np.shape(ids), np.int64)}
+    types = np.zeros(np.shape(ids), np.int64)
+    if media is not None and media.spans:
+        rows = tokens[TOKEN_EMBEDS] = np.array(tokens[TOKEN_EMBEDS], np.float32)  # the embedder's may be its own
+        for start, span in media.spans:
+            inside = (at >= start) & (at < start + len(span))
+            rows[inside] = np.asarray(span, np.float32)[at[inside] - start]
+            types[inside] = 1
+    return {**tokens, "token_type_ids": types}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvc.errors import UsageError
-from kvc.runtime.embeddings import token_feed
+from kvc.runtime.embeddings import Media, token_feed
 from kvc.runtime.session import Session
 
 # Inputs a stateless model gets back from its own outputs: the KV cache and kvc's beam table.
@@ -42,6 +42,7 @@ class Generation:
     origin: int = 0  # the prompt's first position (compile's far probes)
     # The rows before `origin` hold `far_past` rows, attended; else they are empty and masked.
     filled: bool = False
+    media: Media | None = None  # the prompt's media rows and positions (kvc.runtime.embeddings.Media)
 
 
 # A far past's values: q / FAR_PAST_SCALE for integers q drawn uniformly from
@@ -126,16 +127,25 @@ def _empty_state(session: Session) -> dict[str, np.ndarray]:
     return empty
 
 
-def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 0) -> dict[str, np.ndarray]:
+def step_inputs(session: Session, ids: np.ndarray, past_len: int, origin: int = 0,
+                media: Media | None = None) -> dict[str, np.ndarray]:
     """The inputs optimum's exports take for `ids` after `past_len` cached tokens, restricted
     to those the session has; `origin`: the first token's position (where position_ids says
-    it: a model without them counts from 0)."""
+    it: a model without them counts from 0). `media` (`kvc.runtime.embeddings.Media`): the
+    prompt's, which is `ids` when `past_len` is 0; the tokens after it sit `media.shift` past
+    their slots."""
     batch, n = ids.shape
     first = origin + past_len
+    positions = np.broadcast_to(np.arange(first, first + n, dtype=np.int64), (batch, n)).copy()
+    prompt = media is not None and not past_len
+    if media is not None and past_len:
+        positions += media.shift
+    elif prompt and media.positions is not None:
+        positions = np.broadcast_to(np.asarray(media.positions, np.int64)[:, None, :], (3, batch, n)).copy()
     full = {
-        **token_feed(session, ids),
+        **token_feed(session, ids, media if prompt else None, np.broadcast_to(np.arange(n), (batch, n))),
         "attention_mask": np.ones((batch, past_len + n), np.int64),
-        "position_ids": np.broadcast_to(np.arange(first, first + n, dtype=np.int64), (batch, n)).copy(),
+        "position_ids": positions,
         "beam_idx": np.arange(batch, dtype=np.int32),
     }
     return {k: v for k, v in full.items() if session.has_input(k)}
@@ -194,19 +204,26 @@ def first_step_feed(session: Session, prompt) -> dict[str, np.ndarray]:
 
 
 def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int, *,
-           reset: bool = True, keep_cache: bool = False, origin: int = 0, filled: bool = False) -> Generation:
+           reset: bool = True, keep_cache: bool = False, origin: int = 0, filled: bool = False,
+           media: Media | None = None) -> Generation:
     """Greedy decoding of one prompt (batch 1): argmax each step, no early stop; with
     `keep_cache`, the cache it leaves in `Generation.cache`; `origin`: the prompt's first
     position (`step_inputs`), and with `filled` the cache starts with `origin` rows of
-    `far_past`, attended (the kept cache then leaves them out: its rows are the prompt's on)."""
+    `far_past`, attended (the kept cache then leaves them out: its rows are the prompt's on).
+    `media`: the prompt's rows and positions besides its ids (`kvc.runtime.embeddings.Media`),
+    from position 0."""
     ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
     if ids.shape[1] == 0:
         raise UsageError("the prompt is empty")
+    if media is not None:
+        if origin:
+            raise UsageError("a prompt with media starts at position 0")
+        media.check(ids.shape[1], getattr(session, "embed", None))
     if reset:
         session.reset()
     stateless = is_stateless(session)
     past = empty_past(session, 1) if stateless else {}
-    gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin, filled=bool(filled and origin))
+    gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin, filled=bool(filled and origin), media=media)
     past_len, axes = 0, {}
     if gen.filled:  # the far past is the cache's first `origin` rows: positions count on from them
         if not reset:
@@ -215,7 +232,7 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
         past_len, origin = origin, 0
     step_ids = ids
     for step in range(max_new_tokens):
-        feed = step_inputs(session, step_ids, past_len, origin)
+        feed = step_inputs(session, step_ids, past_len, origin, media)
         feed.update(past)
         out = session.infer(feed)
         logits = out["logits"][0]

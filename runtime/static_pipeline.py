@@ -31,7 +31,7 @@ import numpy as np
 
 from kvc.errors import UsageError
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
-from kvc.runtime.embeddings import token_feed
+from kvc.runtime.embeddings import Media, token_feed
 from kvc.runtime.generate import Generation, far_past, far_past_fits
 from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
@@ -175,25 +175,28 @@ class StaticPipeline:
 
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
-    def step_feed(session: Session, ids, mask, positions) -> dict:
+    def step_feed(session: Session, ids, mask, positions, media: Media | None = None, at=None) -> dict:
         """This step's small inputs, for the inputs `session` has; the past is bound to the
-        shared buffers (a caller feeding its own past adds it)."""
-        feed = {**token_feed(session, ids), "attention_mask": mask, "position_ids": positions,
+        shared buffers (a caller feeding its own past adds it). `media` and `at`: see
+        `token_feed`."""
+        feed = {**token_feed(session, ids, media, at), "attention_mask": mask, "position_ids": positions,
                 "beam_idx": np.zeros(1, np.int32)}
         return {k: v for k, v in feed.items() if session.has_input(k)}
 
     def _prefill(self, prompt: np.ndarray, start: int = 0, skip: tuple[tuple[int, int], ...] = (),
-                 origin: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+                 origin: int = 0, media: Media | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Fill the cache with the prompt from `start` on (rows before it are in place, and so
         are the rows of each `skip` span; those before `origin` are empty and masked); return
         the last position's logits and the computed positions' logits (None unless every
-        position was computed)."""
+        position was computed). `media`: the prompt's (`Media`), from position 0."""
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
-        if C:
+        if not C:  # the whole prompt in one call over no past, as a first chunk of P rows is
+            calls = [Call(0, n, P, True)]
+        elif media is not None and media.spans and self.prefill.has_input("token_type_ids"):
+            calls = self._media_calls(n, media.end)
+        else:
             calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first,
                                   self.lengths.first_dynamic)
-        else:  # the whole prompt in one call over no past, as a first chunk of P rows is
-            calls = [Call(0, n, P, True)]
         rows = []
         for begin, end, size, first in calls:
             session = (self.first_sessions if first else self.prefill_sessions)[size] if C else self.prefill
@@ -203,19 +206,41 @@ class StaticPipeline:
                 size = k
             ids = np.full((1, size), self.pad_token, np.int64)
             ids[0, size - k:] = chunk
+            at = np.full((1, size), -1, np.int64)  # each row's prompt position (-1: a pad)
+            at[0, size - k:] = np.arange(begin, end)
             width = size if first else P  # the mask spans the past and the chunk's rows
             mask = np.zeros((1, width), np.int64)
             mask[0, origin:stored] = 1
             mask[0, width - k:] = 1
             pos = np.zeros((1, size), np.int64)
             pos[0, size - k:] = np.arange(stored, stored + k)
-            out = session.infer(self.step_feed(session, ids, mask, pos))
+            if media is not None and media.positions is not None:  # mRoPE's sections, [3, 1, size]
+                pos = np.repeat(pos[None], 3, axis=0)
+                pos[:, 0, size - k:] = np.asarray(media.positions, np.int64)[:, begin:end]
+            out = session.infer(self.step_feed(session, ids, mask, pos, media, at))
             for spec in self.kv:
                 self._store(spec, out[spec.output], stored, slice(size - k, size))
             logits = out["logits"][0]
             rows.append(logits[size - k:] if logits.shape[0] == size else None)
         prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
+
+    def _media_calls(self, n: int, end: int) -> list[Call]:
+        """The prefill calls of an `n`-token prompt whose media end at position `end`, for a
+        model that reads `token_type_ids`: its first call, over no past, computes positions
+        `[0, end)` at least (`Media`), the smallest first chunk that holds them; the rest as
+        `prefill_calls` splits it."""
+        L = self.lengths
+        size = min((f for f in L.first if f >= end), default=None)
+        if size is None:
+            raise UsageError(
+                f"this model lets an image's tokens attend each other both ways (token_type_ids) only in a prefill "
+                f"call over no past, and the media end at position {end}, beyond the largest first prefill chunk "
+                f"({max(L.first, default=0)}): compile with a first chunk that holds them (--prefill-first) or "
+                f"an unchunked prefill (--prefill-chunk-size 0)")
+        first = Call(0, min(size, n), size, True)
+        rest = _gap_calls(first.end, n, L.prompt, (L.chunk, *L.bulk), (), L.first_dynamic) if first.end < n else []
+        return [first, *rest]
 
     def check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
         """Refuse a request the pipeline cannot serve (empty prompt, ids outside the vocabulary,
@@ -241,16 +266,18 @@ class StaticPipeline:
                 f"generate variant holds {L.capacity} positions (P {L.prompt} + R {L.response}), "
                 f"so at most {limit} tokens can follow this prompt")
 
-    def _decode_step(self, variant: int, token: int, stored: int, origin: int = 0) -> tuple[np.ndarray, bool]:
+    def _decode_step(self, variant: int, token: int, stored: int, origin: int = 0,
+                     shift: int = 0) -> tuple[np.ndarray, bool]:
         """One generate step on `variant` with `stored` rows in the cache (those before
-        `origin` empty and masked); stores the new rows and returns the step's last logits and
-        whether the rows were stored."""
+        `origin` empty and masked), its token at position `stored + shift` (`Media.shift`);
+        stores the new rows and returns the step's last logits and whether the rows were
+        stored."""
         G = self.lengths.tokens
         session = self.generate_sessions[variant]
         mask = np.zeros((1, variant), np.int64)
         mask[0, origin:stored] = 1
         mask[0, variant - G:] = 1
-        ids, pos = np.array([[token]], np.int64), np.array([[stored]], np.int64)
+        ids, pos = np.array([[token]], np.int64), np.array([[stored + shift]], np.int64)
         out = session.infer(self.step_feed(session, ids, mask, pos))
         kept = stored + G <= self.lengths.capacity - G  # the last step's row is never read again
         if kept:
@@ -259,7 +286,8 @@ class StaticPipeline:
         return out["logits"][0, -1], kept
 
     def generate(self, prompt, new_tokens: int, *, reuse: int = 0, placed=(), sampling: Sampling | None = None,
-                 on_token=None, start_variant: int | None = None, origin: int = 0) -> StaticGeneration:
+                 on_token=None, start_variant: int | None = None, origin: int = 0,
+                 media: Media | None = None) -> StaticGeneration:
         """Decoding (greedy unless `sampling` says otherwise): prefill, then one generate step
         per token on the smallest variant that holds the prompt and R (moving up a variant when
         its past is full), until `new_tokens` or a stop token of `sampling`. `on_token(id)` is
@@ -269,13 +297,15 @@ class StaticPipeline:
         prefix cache or a chat session, `restore_rows`), so the prefill computes only the rest,
         in chunks from there. It needs a chunked prefill and at least one token to compute.
         `placed`: rows reused from another context, and `origin`, the prompt's first position:
-        see `prefill_prompt`. `start_variant`: see `decode_from`."""
-        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed, origin=origin),
+        see `prefill_prompt`, and `media`, the prompt's rows and positions besides its ids.
+        `start_variant`: see `decode_from`."""
+        return self.decode_from(self.prefill_prompt(prompt, new_tokens, reuse=reuse, placed=placed, origin=origin,
+                                                    media=media),
                                 sampling=sampling, on_token=on_token, start_variant=start_variant)
 
     def prefill_prompt(self, prompt, new_tokens: int, *, reuse: int = 0,
                        placed: tuple[tuple[int, dict[str, np.ndarray]], ...] = (), origin: int = 0,
-                       filled: bool = False) -> "Prefilled":
+                       filled: bool = False, media: Media | None = None) -> "Prefilled":
         """The first half of `generate`: check the request and fill the cache with the prompt.
         `decode_from` finishes it, with the cache as this left it (or as `restore_rows` put
         it back).
@@ -290,7 +320,12 @@ class StaticPipeline:
         began there; with `filled`, they hold a far past (`fill_far_past`), attended, as if
         the sequence had run there. What compile's far probes run
         (`kvc.verify.compiled.probe_cases`): the last calls before P, over every slot of each
-        chunk model's past, at a few calls' cost."""
+        chunk model's past, at a few calls' cost.
+
+        `media`: the rows of the prompt's media tokens and its positions (`Media`: a
+        vision-language model's image); such a prompt runs whole, from position 0 (its rows
+        are no prefix cache's or chunk store's to reuse: an image's tokens share one id), and
+        for a model that reads `token_type_ids` its first call holds its media."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
@@ -303,6 +338,11 @@ class StaticPipeline:
             prompt = np.concatenate([np.full(origin, self.pad_token, np.int64), prompt])
         n = len(prompt)
         self.check_fits(prompt, new_tokens)
+        if media is not None:
+            if reuse or placed or origin:
+                raise UsageError("a prompt with media runs whole from position 0: its rows cannot be restored, "
+                                 "placed or started past position 0")
+            media.check(n, getattr(self.prefill, "embed", None))
         if reuse and not 0 < reuse < n:
             raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
                              f"the last prompt token must be computed")
@@ -324,15 +364,16 @@ class StaticPipeline:
         if filled:
             self.fill_far_past(origin)
         gen = StaticGeneration(prompt=[int(t) for t in prompt[origin:]], cached_tokens=reuse,
-                               placed_tokens=sum(b - a for a, b in skip), origin=origin, filled=filled)
+                               placed_tokens=sum(b - a for a, b in skip), origin=origin, filled=filled, media=media)
         started = time.perf_counter()
-        last, gen.prompt_logits = self._prefill(prompt, max(reuse, origin), tuple(skip), 0 if filled else origin)
+        last, gen.prompt_logits = self._prefill(prompt, max(reuse, origin), tuple(skip), 0 if filled else origin,
+                                                media)
         gen.prefill_seconds = time.perf_counter() - started
         if reuse or skip:
             gen.prompt_logits = None  # the restored positions' logits were not computed
         gen.first_logits = gen.prompt_logits
         gen.kv_rows = n
-        return Prefilled(gen, last, new_tokens)
+        return Prefilled(gen, last, new_tokens, 0 if media is None else media.shift)
 
     def decode_from(self, run: "Prefilled", *, sampling: Sampling | None = None, on_token=None,
                     start_variant: int | None = None) -> StaticGeneration:
@@ -366,7 +407,7 @@ class StaticPipeline:
                 return gen
             variant = step_variant(L, variant, stored)
             started = time.perf_counter()
-            last, kept = self._decode_step(variant, token, stored, origin)
+            last, kept = self._decode_step(variant, token, stored, origin, run.shift)
             stored += L.tokens
             gen.kv_rows = stored if kept else gen.kv_rows
             gen.variants.append(variant)
@@ -515,3 +556,4 @@ class Prefilled:
     generation: StaticGeneration
     last: np.ndarray
     new_tokens: int
+    shift: int = 0  # where generated tokens sit past their slots (`Media.shift`)

@@ -78,13 +78,13 @@ def source_rows(cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             for name, v in cache.items()}
 
 
-def source_run(session, prompt, new_tokens: int, origin: int = 0, filled: bool = False):
+def source_run(session, prompt, new_tokens: int, origin: int = 0, filled: bool = False, media=None):
     """Greedy decoding on the source model (`greedy`, from position `origin`, over a far past
-    with `filled`), its cache kept by the static models' input names (`source_rows`): the
-    reference of the cache check."""
+    with `filled`, with the prompt's `media`), its cache kept by the static models' input
+    names (`source_rows`): the reference of the cache check."""
     from kvc.runtime.generate import greedy
 
-    gen = greedy(session, prompt, new_tokens, keep_cache=True, origin=origin, filled=filled)
+    gen = greedy(session, prompt, new_tokens, keep_cache=True, origin=origin, filled=filled, media=media)
     gen.cache = source_rows(gen.cache)
     return gen
 

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvc.runtime.embeddings import Media
 from kvc.runtime.sampling import JUDGED
 
 
@@ -24,6 +25,7 @@ class Probe(NamedTuple):
     origin: int = 0
     decode: bool = False
     filled: bool = False
+    media: Media | None = None  # an image's rows and positions (`media_probe`)
 
 
 def run_probe(pipe, probe: Probe):
@@ -32,7 +34,7 @@ def run_probe(pipe, probe: Probe):
         return pipe.decode_prompt(probe.prompt, probe.new_tokens, variant=probe.start, origin=probe.origin,
                                   filled=probe.filled)
     return pipe.decode_from(pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin,
-                                                filled=probe.filled),
+                                                filled=probe.filled, media=probe.media),
                             start_variant=probe.start, sampling=JUDGED)
 
 
@@ -40,7 +42,7 @@ def source_probe(session, probe: Probe):
     """A probe on the source model (`source_run`): from its origin, over the same far past."""
     from kvc.verify.cache_rows import source_run
 
-    return source_run(session, probe.prompt, probe.new_tokens, probe.origin, probe.filled)
+    return source_run(session, probe.prompt, probe.new_tokens, probe.origin, probe.filled, probe.media)
 
 
 BULK_TOKENS = 2
@@ -163,6 +165,47 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
                                min(tokens, BULK_TOKENS, max_new_tokens(plan, origin + length)), None, origin,
                                filled=filled))
     return cases
+
+
+MEDIA_AT, MEDIA_GRID = 2, (2, 3)  # `media_probe`'s image: from position 2, a 2 x 3 grid of rows
+
+
+def media_probe(manifest: dict, plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]:
+    """The probe of a model that takes `inputs_embeds` (the language model of a
+    vision-language export; none for another): a 12-token prompt (at most P) with an image at
+    positions 2 to 7, rows of its own in place of the ids' (`Media`: random, not any id's,
+    with `token_type_ids` 1), laid out as a 2 x 3 grid where position_ids state mRoPE's three
+    sections (t, h, w: 2 + row and 2 + column, the text after it from the grid's end on),
+    generating `tokens`. The text probes feed every token its id's row, type 0, and the same
+    position in every section; this one proves the static models compute what the source
+    does with what a vision-language pipeline feeds them too: an image's rows, Gemma 3's
+    both-ways attention within an image (which its chunk models over a past do not compute:
+    the runtime gives the image the first call, `StaticPipeline.prefill_prompt`), mRoPE's
+    sections and the positions generated tokens take after them. None where no first call
+    holds the image (a model that reads types, chunked with no first chunk reaching position 8:
+    the runtime refuses such an image)."""
+    from kvc.export.manifest import token_input
+    from kvc.runtime.static_pipeline import max_new_tokens
+
+    if token_input(manifest) != "inputs_embeds":
+        return []
+    ports = {p["name"]: p for p in manifest["models"]["prefill"]["inputs"]}
+    rows, cols = MEDIA_GRID
+    end = MEDIA_AT + rows * cols
+    n = min(plan.prompt, end + 4)
+    if n < end or (plan.chunk and "token_type_ids" in ports and all(f < end for f in plan.first)):
+        return []
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, vocab, n).tolist()
+    image = rng.standard_normal((rows * cols, ports["inputs_embeds"]["shape"][-1])).astype(np.float32)
+    positions = None
+    if len(ports.get("position_ids", {}).get("shape", ())) == 3:
+        grid = np.arange(rows * cols)
+        positions = np.repeat(np.arange(n, dtype=np.int64)[None], 3, axis=0)
+        positions[:, MEDIA_AT:end] = MEDIA_AT + np.stack([np.zeros_like(grid), grid // cols, grid % cols])
+        after = positions[:, :end].max() + 1
+        positions[:, end:] = after + np.arange(n - end)
+    return [Probe(prompt, min(tokens, max_new_tokens(plan, n)), media=Media(((MEDIA_AT, image),), positions))]
 
 
 def _far_probes(plan) -> list[tuple[int, int, bool]]:
@@ -303,7 +346,8 @@ def probe_label(row: dict) -> str:
     n = row["prompt_tokens"]
     where = f" from position {row['from_position']}" if row.get("from_position") else ""
     past = " over a far past" if row.get("far_past") else ""
-    return f"prompt of {n} token{'s' if n != 1 else ''}{where}{past}"
+    media = "".join(f" with an image of {m} rows at position {start}" for start, m in row.get("media", ()))
+    return f"prompt of {n} token{'s' if n != 1 else ''}{where}{past}{media}"
 
 
 def probe_row(probe: Probe) -> dict:
@@ -314,6 +358,8 @@ def probe_row(probe: Probe) -> dict:
         row["from_position"] = probe.origin
     if probe.filled:
         row["far_past"] = True
+    if probe.media is not None:
+        row["media"] = [[start, len(rows)] for start, rows in probe.media.spans]
     return row
 
 
@@ -395,7 +441,7 @@ def against_rounding(peer, probe, exact, got, kv, narrow_policy: dict):
     from kvc.errors import KvcError
 
     try:
-        ref = peer.run(probe.prompt, len(exact.tokens), probe.origin, probe.filled)
+        ref = peer.run(probe.prompt, len(exact.tokens), probe.origin, probe.filled, probe.media)
     except (KvcError, RuntimeError):
         return None
     return judge_run(ref, got, kv, **{**narrow_policy, "against": "OpenVINO CPU's own f32 run over the same rounded cache's"})
@@ -500,7 +546,8 @@ def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_
         if probe.decode:  # fed to a generate variant alone: nothing to prefill
             prefilled.append(None)
         else:
-            run = pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin, filled=probe.filled)
+            run = pipe.prefill_prompt(probe.prompt, probe.new_tokens, origin=probe.origin, filled=probe.filled,
+                                      media=probe.media)
             prefilled.append((run, pipe.copy_rows(probe.origin, probe.origin + len(probe.prompt))))
         if on_step is not None:
             on_step(i, steps)
@@ -649,6 +696,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]
     cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), specials=specials,
                          filled=far_past_fits(plan.kv_element_types))
+    cases += media_probe(manifest, lengths, vocab, new_tokens)
     kv_types = plan.kv_element_types
     exact = widens(kv_types)  # the numpy backend runs the IR widened, as the compile's check does
     rows = []

@@ -241,19 +241,19 @@ class Peer:
             precision += f" (activations quantized to 8 bits in groups of {group})"
         return precision
 
-    def run(self, prompt, new_tokens: int, origin: int = 0, filled: bool = False):
+    def run(self, prompt, new_tokens: int, origin: int = 0, filled: bool = False, media=None):
         """The peer's greedy run of `prompt` from position `origin`, over a far past with
-        `filled` (`source_run`), its cache kept; each probe run once."""
+        `filled`, with the prompt's `media` (`source_run`), its cache kept; each probe run once."""
         from kvc.verify.cache_rows import source_run
 
-        key = (tuple(int(t) for t in prompt), new_tokens, origin, filled)
+        key = (tuple(int(t) for t in prompt), new_tokens, origin, filled, None if media is None else media.key())
         if key not in self._runs:
             if self._session is None:
                 from kvc.ir import load
                 from kvc.runtime.session import OpenVINOSession
 
                 self._session = OpenVINOSession(load(self.source), "CPU", self.config, exact=False)
-            self._runs[key] = source_run(self._session, prompt, new_tokens, origin, filled)
+            self._runs[key] = source_run(self._session, prompt, new_tokens, origin, filled, media)
         return self._runs[key]
 
     def prepare(self, probes) -> None:
@@ -264,7 +264,7 @@ class Peer:
 
         try:
             for probe in probes:
-                self.run(probe.prompt, probe.new_tokens, probe.origin, probe.filled)
+                self.run(probe.prompt, probe.new_tokens, probe.origin, probe.filled, probe.media)
         except (KvcError, RuntimeError):
             pass
         self._session = None
@@ -280,7 +280,8 @@ class Peer:
         from kvc.runtime.compare import first_divergence
         from kvc.verify.compiled import judge_run
 
-        peer = self.run(prompt, new_tokens, getattr(exact, "origin", 0), getattr(exact, "filled", False))
+        peer = self.run(prompt, new_tokens, getattr(exact, "origin", 0), getattr(exact, "filled", False),
+                        getattr(exact, "media", None))
         if not hasattr(exact, "kv_rows"):  # not a static pipeline's run: its cache is the source's layout
             peer = dataclasses.replace(peer, cache=None)
         div = None if got is None else first_divergence(exact.tokens, got.tokens)

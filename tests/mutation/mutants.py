@@ -259,6 +259,25 @@ def chunk_past_beyond_C_ignored(name, model):
 
 
 @mutant
+def token_types_ignored(name, model):
+    """every model: token_type_ids read as 0 (text), so an image's tokens attend each other
+    causally, not both ways (Gemma 3). Only a probe with an image sees it (`media_probe`)."""
+    types = port(model, "token_type_ids")
+    return 0 if types is None else reroute(types, lambda t: ops.multiply(t, i64(0)))
+
+
+@mutant
+def mrope_sections_collapsed(name, model):
+    """every model: mRoPE's three position sections all read the first (t), as if a text
+    token's: an image's h and w rows rotate wrongly (Qwen2-VL). Only a probe with an image
+    sees it."""
+    positions = port(model, "position_ids")
+    if positions is None or positions.get_partial_shape().rank.get_length() != 3:
+        return 0
+    return reroute(positions, lambda p: ops.gather(p, i64([0, 0, 0]), i64(0)))
+
+
+@mutant
 def window_off_by_one(name, model):
     """every model: the sliding window's comparison one token short (kv > q - W + 1; Gemma 3's
     (q - kv) >= W as (q - kv) >= W - 1)."""

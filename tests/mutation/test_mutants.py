@@ -4,7 +4,8 @@ leave a correct compile passing. A selection of the 2026-11-27 campaign, each a 
 once published or that a check exists for: positions and past slots only far probes reach, a
 window one token short, weights 0.1% off, an epsilon, ALiBi slopes, a tied head, K and V
 swapped, a layer reading another's past, a router, an int4 zero point, an int8 scale, RoPE's
-frequencies, the attention's scale, a bit flipped in weights.bin; and faults in the blobs alone
+frequencies, the attention's scale, a bit flipped in weights.bin, an image's token types and
+mRoPE sections; and faults in the blobs alone
 (the IR right), on the CPU at its default precision and on the NPU, and with exact blobs where
 the default's bounds are wide (a router's). `python scripts/mutate.py` runs any mutant over any fixture."""
 
@@ -43,6 +44,10 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("window_off_by_one", "mistral", "ir", "CPU", IR_CHECK),
     ("window_off_by_one", "gemma3", "ir", "CPU", IR_CHECK),  # (q - kv) >= W over a difference
     ("gen_positions_clamped_to_P", "qwen2_5_vl", "ir", "CPU", IR_CHECK),  # 3-D position_ids
+    # what only an image shows (the compile's image probe): published without it
+    ("token_types_ignored", "gemma3", "ir", "CPU", IR_CHECK),
+    ("token_types_ignored", "gemma3", "blob", "NPU", "the NPU blobs do not reproduce the static IR"),
+    ("mrope_sections_collapsed", "qwen2_5_vl", "ir", "CPU", IR_CHECK),
     ("mask_positions_past_from_one", "starcoder2", "ir", "CPU", IR_CHECK),
     ("gen_o_proj_1e3", "llama", "ir", "CPU", IR_CHECK),
     ("gen_o_proj_1e3", "cohere2", "ir", "CPU", IR_CHECK),  # logits scaled to 0.2: logit_bound

@@ -1,0 +1,164 @@
+"""A vision-language prompt: an image's rows in place of its tokens' (kvc.runtime.embeddings.Media),
+Gemma 3's both-ways attention within an image (token_type_ids), Qwen2-VL's mRoPE sections, run
+by the compiled pipeline as the source model computes them on OpenVINO CPU at f32, and checked
+by the compile's image probe (kvc.verify.compiled.media_probe)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kvc import fixtures
+from kvc.errors import UsageError
+from kvc.export.load import open_compiled
+from kvc.export.manifest import read_manifest
+from kvc.ir import load
+from kvc.runtime.embeddings import Media
+from kvc.runtime.generate import greedy
+from kvc.runtime.session import OpenVINOSession
+from kvc.runtime.static_pipeline import StaticPipeline, prefill_calls
+from tests.cli.runner import kvc
+
+VISION = ("llava", "gemma3", "qwen2_5_vl")
+WIDTH = 64  # the fixtures' hidden size
+
+
+def _source(name: str):
+    model = load(fixtures.path(name) / "openvino_language_model.xml")
+    return OpenVINOSession(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+
+
+def _image(n: int, start: int, rows: int, cols: int, sections: bool, seed: int = 1):
+    """An n-token prompt with a rows x cols image at `start`: random rows, and with `sections`
+    mRoPE's positions as transformers' Qwen2-VL `get_rope_index` lays them out (t, then h and w
+    over the grid from the image's first position; the text after it from the grid's largest
+    position + 1)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, 300, n)
+    m = rows * cols
+    positions = None
+    if sections:
+        positions = np.repeat(np.arange(n)[None], 3, axis=0)
+        grid = np.arange(m)
+        positions[:, start:start + m] = start + np.stack([0 * grid, grid // cols, grid % cols])
+        positions[:, start + m:] = positions[:, :start + m].max() + 1 + np.arange(n - start - m)
+    return prompt, Media(((start, rng.standard_normal((m, WIDTH)).astype(np.float32)),), positions)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Each vision-language fixture compiled for the CPU, at its default chunking (a first chunk
+    of dynamic rows, then chunks over a past) with f32 blobs, and for the NPU (an unchunked
+    prefill, an f16 cache): by (name, device)."""
+    outs = {}
+    for name in VISION:
+        for device, extra in (("CPU", ("--inference-precision", "f32")), ("NPU", ())):
+            out = outs[name, device] = tmp_path_factory.mktemp(name) / device
+            kvc("compile", fixtures.path(name), "-o", out, "--device", device, *extra)
+    return outs
+
+
+# (directory, backend, bound on the logits' difference from the source's at f32)
+RUNS = (("CPU", "numpy", 2e-5), ("CPU", "openvino", 2e-5), ("NPU", "numpy", 0.02), ("NPU", "npu", 0.02))
+
+
+@pytest.mark.parametrize("name", VISION)
+@pytest.mark.parametrize("n, start, grid", [(12, 2, (2, 3)), (120, 40, (4, 8))])
+def test_an_image_runs_as_the_source_computes_it(compiled, name, n, start, grid):
+    """On every backend, the tokens and logits of the source run with the same rows, types and
+    positions; and the image matters: the text alone gives other logits. 120 tokens run a first
+    call and then chunks over its rows on the CPU."""
+    prompt, media = _image(n, start, *grid, sections=name == "qwen2_5_vl")
+    source = _source(name)
+    ref = greedy(source, prompt, 6, media=media)
+    text = greedy(source, prompt, 6)
+    assert max(np.abs(a - b).max() for a, b in zip(ref.logits, text.logits)) > 0.1
+    for device, backend, bound in RUNS:
+        got = open_compiled(compiled[name, device], backend).generate(prompt, 6, media=media)
+        assert got.tokens == ref.tokens, (device, backend)
+        assert max(np.abs(a - b).max() for a, b in zip(got.logits, ref.logits)) < bound, (device, backend)
+
+
+def test_the_generated_tokens_take_their_positions_after_the_images_grid(compiled):
+    """Qwen2-VL's text after an image, and every generated token, sit at the grid's largest
+    position + 1 on (transformers' rope_deltas): a 2 x 3 grid at 2 ends at position 4, so the
+    12-token prompt's last token sits at 8 and the first generated one at 9, slot 12: shift -3.
+    A pipeline that put generated tokens at their slots gives other logits."""
+    prompt, media = _image(12, 2, 2, 3, sections=True)
+    assert media.positions[:, -1].tolist() == [8, 8, 8] and media.shift == -3
+    ref = greedy(_source("qwen2_5_vl"), prompt, 6, media=media)
+    pipe = open_compiled(compiled["qwen2_5_vl", "CPU"], "openvino")
+    run = pipe.prefill_prompt(prompt, 6, media=media)
+    assert run.shift == -3
+    run.shift = 0
+    wrong = pipe.decode_from(run)
+    assert max(np.abs(a - b).max() for a, b in zip(wrong.logits[1:], ref.logits[1:])) > 1e-3
+
+
+def test_an_image_of_a_model_that_reads_token_types_runs_in_the_first_call(compiled, monkeypatch):
+    """Gemma 3's image attends itself both ways only in a call over no past (optimum lays the
+    step's types over the mask's first columns). The runtime puts the whole image in the first
+    call; an image past the largest first chunk is refused, naming the way out."""
+    pipe = open_compiled(compiled["gemma3", "CPU"], "openvino")
+    first = max(pipe.lengths.first)
+    prompt, media = _image(120, first - 8, 2, 8, sections=False)  # ends 8 past the first chunk
+    with pytest.raises(UsageError, match=rf"the media end at position {first + 8}, beyond the largest first prefill "
+                                         rf"chunk \({first}\): compile with a first chunk that holds them"):
+        pipe.generate(prompt, 2, media=media)
+
+
+def test_without_the_first_call_an_image_of_gemma3_is_computed_wrong(tmp_path, monkeypatch):
+    """Chunks of 16 and no first chunk: every call has a past, so an image is refused, and the
+    compile's image probe, which no call could run, is left out. Run anyway by the chunk split
+    a text takes, its logits are not the source's: the reason for the rule."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("gemma3"), "-o", out, "--prefill-chunk-size", "16", "--prefill-first", "0",
+        "--inference-precision", "f32")
+    assert not any(r.get("media") for r in read_manifest(out)["verification"]["results"])
+    prompt, media = _image(12, 2, 2, 3, sections=False)
+    pipe = open_compiled(out, "openvino")
+    with pytest.raises(UsageError, match="only in a prefill call over no past"):
+        pipe.generate(prompt, 2, media=media)
+    L = pipe.lengths
+    monkeypatch.setattr(StaticPipeline, "_media_calls", lambda self, n, end: list(
+        prefill_calls(0, n, (), L.prompt, (L.chunk, *L.bulk), L.first, L.first_dynamic)))
+    got = pipe.generate(prompt, 2, media=media)
+    ref = greedy(_source("gemma3"), prompt, 2, media=media)
+    assert np.abs(got.logits[0] - ref.logits[0]).max() > 0.01
+
+
+def test_the_compile_and_verify_probe_an_image(compiled):
+    """Every check of a model that takes rows runs a prompt with an image (numpy, each device's
+    blobs); a text model's runs none."""
+    for device in ("CPU", "NPU"):
+        manifest = read_manifest(compiled["gemma3", device])
+        assert [r["media"] for r in manifest["verification"]["results"] if "media" in r] == [[[2, 6]]]
+        assert [r["device"] for r in manifest["blob_check"] if "media" in r] == [device]
+    result = kvc("verify", compiled["gemma3", "CPU"])
+    assert len(re.findall(r"^(numpy|openvino) +\d+ +12 \(image 2-7\) ", result.output, re.M)) == 2
+
+
+@pytest.mark.parametrize("media, message", [
+    (Media(((2, np.zeros((3, 32), np.float32)),)), r"media rows at position 2: expected \[m, 64\], found \[3, 32\]"),
+    (Media(((2, np.zeros((4, 64), np.float32)), (5, np.zeros((2, 64), np.float32)))),
+     r"media span \[5, 7\) must follow the one before it \(ending at 6\)"),
+    (Media(((10, np.zeros((4, 64), np.float32)),)), r"media span \[10, 14\) must .* lie within the 12-token prompt"),
+    (Media((), np.zeros((3, 11), np.int64)), r"media positions: expected \[3, 12\]"),
+])
+def test_media_that_do_not_fit_the_prompt_are_refused(compiled, media, message):
+    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
+    with pytest.raises(UsageError, match=message):
+        pipe.generate(list(range(1, 13)), 2, media=media)
+
+
+def test_media_with_restored_rows_or_a_text_model_are_refused(compiled, tmp_path):
+    prompt, media = _image(12, 2, 2, 3, sections=False)
+    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
+    with pytest.raises(UsageError, match="a prompt with media runs whole from position 0"):
+        pipe.generate(prompt, 2, media=media, reuse=4)
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "llama", "--max-prompt-len", "64",
+        "--min-response-len", "64", "--no-verify")
+    with pytest.raises(UsageError, match="media rows need a model that takes inputs_embeds"):
+        open_compiled(tmp_path / "llama", "numpy").generate(prompt, 2, media=media)
