@@ -29,6 +29,16 @@ Query i of this step sits in key slot S - L + i; ``own[i, S - L + i]`` is true.
 A valid query already attends to its own slot with a finite bias, so valid rows are unchanged
 (bit for bit); only rows whose outputs nobody reads (pad rows) change. One ``own`` constant
 is shared by every attention of a model with the same L and S.
+
+- finite-fill: a fill of float32's lowest poisons valid rows too once rounded to bf16, where
+  it is -inf: ``(1 - attention_mask) * lowest`` is ``0 * -inf = NaN`` at every attended slot.
+  Gemma 3's mask (optimum's `_create_gemma4_unified_bidirectional_mask_dict`) computes its
+  padding so; OpenVINO's CPU plugin kept that at f32 while the model's shapes were dynamic,
+  and with static shapes computed it at bf16: the static prefill's logits were 0.85 of their
+  spread off (the source model itself reshaped to [1, 128] by OpenVINO alone: 1.53 off at
+  bf16, 0.019 dynamic). Every small f32 constant holding float32's lowest (a fill: masks,
+  `full`, `masked_fill`) holds BF16_LOWEST instead, finite in bf16 and f32 alike: a masked
+  score's exp() is 0 either way, so at f32 the model computes the same.
 """
 
 from __future__ import annotations
@@ -50,6 +60,8 @@ log = logging.getLogger(__name__)
 
 
 F16_LOWEST = -65504.0  # the lowest finite f16; bf16 and f32 hold it too
+BF16_LOWEST = float(np.float32(-3.3895313892515355e38))  # the lowest finite bf16 (0xFF7F), exact in f32
+FILL_ELEMENTS = 1 << 22  # a fill is a scalar or a mask table ([P, S] at most)
 
 
 def _masked_sdpa(node: ov.Node, *, boolean: bool) -> ov.Node:
@@ -114,16 +126,41 @@ def _eager_softmax(node: ov.Node, steps: int, slots: int) -> ov.Node:
     return node
 
 
+WEIGHT_READERS = {"MatMul", "Gather", "Convolution"}  # a constant they read is a weight: never scanned
+
+
+def _lowest_fill(node: ov.Node) -> ov.Node:
+    """A small f32 Constant that holds float32's lowest somewhere (a mask's fill)."""
+    if node.get_output_element_type(0) != ov.Type.f32 or int(np.prod(node.get_output_shape(0))) > FILL_ELEMENTS:
+        raise NoMatch("not an f32 constant of a mask's size")
+    if any(t.get_node().get_type_name() in WEIGHT_READERS for t in node.output(0).get_target_inputs()):
+        raise NoMatch("a weight")
+    if not (node.get_data() == np.finfo(np.float32).min).any():
+        raise NoMatch("it holds no float32 lowest")
+    return node
+
+
+def _finite_fill(node: ov.Node) -> None:
+    data = node.get_data()
+    finite = ops.constant(np.where(data == np.finfo(np.float32).min, np.float32(BF16_LOWEST), data).astype(np.float32))
+    finite.set_friendly_name(f"{node.get_friendly_name()}/finite_fill")
+    node.output(0).replace(finite.output(0))
+    log.debug("unmask-pad-rows: %s", describe_node(node))
+
+
 def _rules(cache: dict, steps: int | None, slots: int | None) -> tuple[Rule, ...]:
+    """bool-mask, float-mask, eager-softmax (with this step's rows and the mask's slots),
+    finite-fill."""
     rules = (Rule("unmask-pad-rows/bool-mask", anchors=("ScaledDotProductAttention",),
                   match=partial(_masked_sdpa, boolean=True), rewrite=partial(_unmask_bool, cache=cache)),
              Rule("unmask-pad-rows/float-mask", anchors=("ScaledDotProductAttention",),
                   match=partial(_masked_sdpa, boolean=False), rewrite=partial(_unmask_float, cache=cache)))
-    if steps is None:
-        return rules
-    return rules + (Rule("unmask-pad-rows/eager-softmax", anchors=("Softmax",),
-                         match=lambda n: _eager_softmax(n, steps, slots),
-                         rewrite=lambda n: _raise_own(n, 0, _own_table(steps, slots, cache))),)
+    if steps is not None:
+        rules += (Rule("unmask-pad-rows/eager-softmax", anchors=("Softmax",),
+                       match=lambda n: _eager_softmax(n, steps, slots),
+                       rewrite=lambda n: _raise_own(n, 0, _own_table(steps, slots, cache))),)
+    return rules + (Rule("unmask-pad-rows/finite-fill", anchors=("Constant",), match=_lowest_fill,
+                         rewrite=_finite_fill),)
 
 
 @register_pass

@@ -161,7 +161,7 @@ class Media:
             if embed is None:
                 raise UsageError("media rows need a model that takes inputs_embeds (the language model of a "
                                  "vision-language export); this one takes input_ids")
-            if rows.ndim != 2 or rows.shape[1] != embed.width or not rows.shape[0]:
+            if rows.ndim != 2 or not rows.shape[0] or (embed.width > 0 and rows.shape[1] != embed.width):
                 raise UsageError(f"media rows at position {start}: expected [m, {embed.width}], found "
                                  f"{list(rows.shape)}")
             if start < end or start + rows.shape[0] > n:

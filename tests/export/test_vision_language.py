@@ -225,3 +225,26 @@ def test_an_input_kvc_cannot_feed_is_refused_before_anything_runs(tmp_path):
     assert "openvino_model.xml: input visual_pos_masks is not one kvc can feed" in result.output
     assert "found visual_pos_masks boolean[?,?]) [unknown-input]" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_gemma3s_whole_prompt_prefill_compiles_at_the_cpus_default_precision(finite, tmp_path, monkeypatch):
+    """Its mask's float32-lowest fill rounded to -inf at bf16 (0 * -inf at every attended
+    slot) once its shapes were static, and the compile's blob check refused the unchunked
+    prefill (0.85 of the logits' spread off the IR, the plugin's own drift 0.01);
+    unmask-pad-rows/finite-fill keeps it finite (tests/passes/test_unmask_pad_rows.py)."""
+    from kvc.export.compile import cpu_precision
+    import kvc.passes.unmask_pad_rows as unmask
+
+    if not finite:
+        if cpu_precision("auto") != "bf16":
+            pytest.skip("the CPU plugin computes at f32 on this host: no bf16 to round the fill")
+        rules = unmask._rules
+        monkeypatch.setattr(unmask, "_rules", lambda *args: rules(*args)[:-1])
+    out = tmp_path / "out"
+    result = kvc("compile", fixtures.path("gemma3"), "-o", out, "--prefill-chunk-size", "0", "--prefill-first", "0",
+                 code=0 if finite else 4)
+    if finite:
+        assert all(row["ok"] for row in read_manifest(out)["blob_check"])
+    else:
+        assert "the CPU blobs do not reproduce the static IR: prompt of 127 tokens" in result.output
