@@ -48,6 +48,11 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")
+@click.option("--image", "images", multiple=True, metavar="START:ROWS.npy",
+              help="A vision-language model's image: its rows (an f32 .npy [m, H], from the vision encoder) in "
+                   "place of the prompt's tokens [START, START + m). Repeatable.")
+@click.option("--image-positions", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The prompt's mRoPE positions with its images (an integer .npy [3, n]: Qwen2-VL's t, h, w).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0: greedy (the default, and what verification uses); above 0: sample.")
@@ -92,7 +97,7 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k, top_p, seed, eos, ignore_eos,
         stream, backend, from_ir, check, requests_path, prefix_cache, prefix_caching_block_size,
         prefix_caching_max_num_blocks, prefix_caching_max_bytes, retention_policy, events_path, chunk_reuse,
-        chunk_repair, as_json):
+        chunk_repair, as_json, images, image_positions):
     """Generate from a prompt through the compiled prefill and generate models in OUT (greedy
     unless --temperature; stopping at the model's end-of-sequence ids), or replay a workload of
     requests (--requests) with a prefix cache and chat sessions. With --compile-from MODEL, OUT
@@ -121,6 +126,9 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         raise click.UsageError("--chunk-reuse needs --prefix-cache (the chunks are its blocks)")
     if chunk_repair is not None and not chunk_reuse:
         raise click.UsageError("--chunk-repair goes with --chunk-reuse")
+    if requests_path is not None and (images or image_positions is not None):
+        raise click.UsageError("--image and --image-positions go with one prompt, not --requests")
+    media = read_media(images, image_positions)
     if stream and (text is None or as_json):
         raise click.UsageError("--stream prints text: it needs --prompt (a text prompt) and no --json")
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
@@ -145,7 +153,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
     if stream is None:
         stream = tokenizer is not None and not as_json and sys.stdout.isatty()
     streamer = TextStreamer(tokenizer) if stream else None
-    gen = pipeline.generate(ids, max_new_tokens, sampling=sampling, on_token=streamer)
+    gen = pipeline.generate(ids, max_new_tokens, sampling=sampling, on_token=streamer, media=media)
     if streamer is not None:
         streamer.finish()
     decoded = tokenizer.decode(gen.tokens) if tokenizer else None
@@ -154,7 +162,8 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         echo_json({"prompt": ids, "tokens": gen.tokens, "text": decoded, "backend": backend, "compiled": compiled,
                    "finish_reason": gen.finish_reason, "eos_token_ids": sorted(stop),
                    "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
-                   "variants": metrics["variants"], "metrics": metrics})
+                   "variants": metrics["variants"], "metrics": metrics,
+                   **({} if media is None else {"images": [[start, len(rows)] for start, rows in media.spans]})})
         return
     if streamer is None:
         click.echo(f"prompt ({len(ids)} tokens): {ids}")
@@ -162,6 +171,35 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         if decoded is not None:
             click.echo(f"text: {printable(decoded)}")
     click.echo(metrics_line(metrics, backend))
+
+
+def read_media(images: tuple[str, ...], positions: Path | None):
+    """`--image START:ROWS.npy` ... and `--image-positions POSITIONS.npy` as a `Media` (None
+    without them). A .npy is read without pickles; what it holds is checked against the prompt
+    when the pipeline runs it (`Media.check`)."""
+    from kvc.runtime.embeddings import Media
+
+    if not images and positions is None:
+        return None
+    spans = []
+    for image in images:
+        start, sep, path = image.partition(":")
+        if not sep or not start.strip().isdigit():
+            raise UsageError(f"--image {image!r}: expected START:ROWS.npy (START the prompt position of its first row)")
+        spans.append((int(start), _npy(Path(path), "--image")))
+    return Media(tuple(sorted(spans, key=lambda span: span[0])),
+                 None if positions is None else _npy(positions, "--image-positions"))
+
+
+def _npy(path: Path, option: str):
+    import numpy as np
+
+    if not path.is_file():  # a FIFO would block the read, a directory fail it obscurely
+        raise UsageError(f"{option} {path}: " + ("not a regular file" if path.exists() else "no such file"))
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise UsageError(f"{option} {path}: not a NumPy .npy array without pickles ({exc})") from None
 
 
 def default_backend(out: Path) -> str:

@@ -164,13 +164,17 @@ class Media:
             if rows.ndim != 2 or not rows.shape[0] or (embed.width > 0 and rows.shape[1] != embed.width):
                 raise UsageError(f"media rows at position {start}: expected [m, {embed.width}], found "
                                  f"{list(rows.shape)}")
+            if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():
+                raise UsageError(f"media rows at position {start}: expected finite real numbers, found "
+                                 f"{rows.dtype}" + ("" if rows.dtype.kind not in "fiu" else " with NaN or infinity"))
             if start < end or start + rows.shape[0] > n:
                 raise UsageError(f"media span [{start}, {start + rows.shape[0]}) must follow the one before it "
                                  f"(ending at {end}) and lie within the {n}-token prompt")
             end = start + rows.shape[0]
-        if self.positions is not None and np.shape(self.positions) != (3, n):
-            raise UsageError(f"media positions: expected [3, {n}] (mRoPE's sections of every prompt token), "
-                             f"found {list(np.shape(self.positions))}")
+        if self.positions is not None and (np.shape(self.positions) != (3, n)
+                                           or np.asarray(self.positions).dtype.kind not in "iu"):
+            raise UsageError(f"media positions: expected integers [3, {n}] (mRoPE's sections of every prompt "
+                             f"token), found {np.asarray(self.positions).dtype}{list(np.shape(self.positions))}")
 
     def key(self) -> tuple:
         """The media's content, hashable: a cache of runs keys on it."""

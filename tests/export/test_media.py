@@ -145,7 +145,11 @@ def test_the_compile_and_verify_probe_an_image(compiled):
     (Media(((2, np.zeros((4, 64), np.float32)), (5, np.zeros((2, 64), np.float32)))),
      r"media span \[5, 7\) must follow the one before it \(ending at 6\)"),
     (Media(((10, np.zeros((4, 64), np.float32)),)), r"media span \[10, 14\) must .* lie within the 12-token prompt"),
-    (Media((), np.zeros((3, 11), np.int64)), r"media positions: expected \[3, 12\]"),
+    (Media((), np.zeros((3, 11), np.int64)), r"media positions: expected integers \[3, 12\] .*found int64\[3, 11\]"),
+    (Media((), np.zeros((3, 12), np.float32)), r"media positions: expected integers \[3, 12\] .*found float32"),
+    (Media(((2, np.full((3, 64), np.nan, np.float32)),)), r"position 2: expected finite real numbers, found float32 "
+                                                           r"with NaN"),
+    (Media(((2, np.full((3, 64), "x")),)), r"position 2: expected finite real numbers, found <U1"),
 ])
 def test_media_that_do_not_fit_the_prompt_are_refused(compiled, media, message):
     pipe = open_compiled(compiled["llava", "CPU"], "numpy")
@@ -162,3 +166,38 @@ def test_media_with_restored_rows_or_a_text_model_are_refused(compiled, tmp_path
         "--min-response-len", "64", "--no-verify")
     with pytest.raises(UsageError, match="media rows need a model that takes inputs_embeds"):
         open_compiled(tmp_path / "llama", "numpy").generate(prompt, 2, media=media)
+
+
+def test_kvc_run_takes_an_image_and_its_positions(compiled, tmp_path):
+    """`kvc run --image START:ROWS.npy --image-positions POS.npy` gives the source's tokens."""
+    import json
+
+    prompt, media = _image(12, 2, 2, 3, sections=True)
+    (start, rows), = media.spans
+    np.save(tmp_path / "rows.npy", rows)
+    np.save(tmp_path / "positions.npy", media.positions)
+    ids = ",".join(map(str, prompt))
+    result = kvc("run", compiled["qwen2_5_vl", "CPU"], "--prompt-ids", ids, "--image", f"{start}:{tmp_path / 'rows.npy'}",
+                 "--image-positions", tmp_path / "positions.npy", "--max-new-tokens", 6, "--ignore-eos", "--json")
+    run = json.loads(result.output)
+    assert run["tokens"] == greedy(_source("qwen2_5_vl"), prompt, 6, media=media).tokens
+    assert run["images"] == [[2, 6]]
+    text = json.loads(kvc("run", compiled["qwen2_5_vl", "CPU"], "--prompt-ids", ids, "--max-new-tokens", 6,
+                          "--ignore-eos", "--json").output)
+    assert text["tokens"] != run["tokens"] and "images" not in text
+
+
+@pytest.mark.parametrize("image, message", [
+    ("x:{rows}", "expected START:ROWS.npy"),
+    ("2:{tmp}/missing.npy", "missing.npy: no such file"),
+    ("2:{tmp}", "not a regular file"),
+    ("2:{pickled}", "not a NumPy .npy array without pickles"),
+    ("10:{rows}", r"media span \[10, 16\) must follow the one before it \(ending at 0\) and lie within the 12-token"),
+])
+def test_kvc_run_refuses_an_image_it_cannot_use(compiled, tmp_path, image, message):
+    np.save(tmp_path / "rows.npy", np.zeros((6, WIDTH), np.float32))
+    np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    image = image.format(rows=tmp_path / "rows.npy", tmp=tmp_path, pickled=tmp_path / "pickled.npy")
+    result = kvc("run", compiled["llava", "CPU"], "--prompt-ids", ",".join(map(str, range(1, 13))), "--image", image,
+                 code=2)
+    assert re.search(message, result.output), result.output
