@@ -537,6 +537,20 @@ def build(tmp: Path) -> list[Case]:
             ("--prompt", "not valid UTF-8")),
         Run("run-requests", ["run", "{good}", "--requests", str(tmp / "requests-surrogate.jsonl")], USAGE,
             ("requests-surrogate.jsonl", "not valid UTF-8"))])
+    # A vision-language prompt's image (`kvc run --image START:ROWS.npy`): read without pickles,
+    # never from a FIFO (np.load would block on it), and only for a model that takes rows.
+    import numpy as np
+
+    np.save(tmp / "image-pickled.npy", np.array([{"rows": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp / "image-rows.npy", np.zeros((2, 8), np.float32))
+    os.mkfifo(tmp / "image-fifo.npy")
+    cli_case("run-image-hostile", "kvc run --image: a pickled .npy, a FIFO, rows for a model that takes ids", [
+        Run("run-pickled", runv + ["--prompt-ids", "1,2,3", "--image", f"0:{tmp / 'image-pickled.npy'}"], USAGE,
+            ("image-pickled.npy", "without pickles")),
+        Run("run-fifo", runv + ["--prompt-ids", "1,2,3", "--image", f"0:{tmp / 'image-fifo.npy'}"], USAGE,
+            ("image-fifo.npy", "not a regular file")),
+        Run("run-text-model", runv + ["--prompt-ids", "1,2,3", "--image", f"0:{tmp / 'image-rows.npy'}"], USAGE,
+            ("media rows need a model that takes inputs_embeds",))])
     cli_case("bisect-prompt-out-of-vocab", "kvc bisect with a token id past the vocabulary", [
         Run("bisect", ["bisect", "{fixture}", *SMALL, "--prompt-ids", "1,99999999"], USAGE, ("99999999",))])
 
