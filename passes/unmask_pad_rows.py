@@ -129,15 +129,12 @@ def _eager_softmax(node: ov.Node, steps: int, slots: int) -> ov.Node:
 WEIGHT_READERS = {"MatMul", "Gather", "Convolution"}  # a constant they read is a weight: never scanned
 
 
-def _lowest_fill(node: ov.Node) -> ov.Node:
-    """A small f32 Constant that holds float32's lowest somewhere (a mask's fill)."""
-    if node.get_output_element_type(0) != ov.Type.f32 or int(np.prod(node.get_output_shape(0))) > FILL_ELEMENTS:
-        raise NoMatch("not an f32 constant of a mask's size")
-    if any(t.get_node().get_type_name() in WEIGHT_READERS for t in node.output(0).get_target_inputs()):
-        raise NoMatch("a weight")
-    if not (node.get_data() == np.finfo(np.float32).min).any():
-        raise NoMatch("it holds no float32 lowest")
-    return node
+def _lowest_fill(node: ov.Node) -> bool:
+    """A small f32 Constant, not a weight, that holds float32's lowest somewhere (a mask's fill)."""
+    return (node.get_output_element_type(0) == ov.Type.f32
+            and int(np.prod(node.get_output_shape(0))) <= FILL_ELEMENTS
+            and not any(t.get_node().get_type_name() in WEIGHT_READERS for t in node.output(0).get_target_inputs())
+            and bool((node.get_data() == np.finfo(np.float32).min).any()))
 
 
 def _finite_fill(node: ov.Node) -> None:
@@ -159,8 +156,8 @@ def _rules(cache: dict, steps: int | None, slots: int | None) -> tuple[Rule, ...
         rules += (Rule("unmask-pad-rows/eager-softmax", anchors=("Softmax",),
                        match=lambda n: _eager_softmax(n, steps, slots),
                        rewrite=lambda n: _raise_own(n, 0, _own_table(steps, slots, cache))),)
-    return rules + (Rule("unmask-pad-rows/finite-fill", anchors=("Constant",), match=_lowest_fill,
-                         rewrite=_finite_fill),)
+    return rules + (Rule("unmask-pad-rows/finite-fill", anchors=("Constant",), where=_lowest_fill,
+                         match=lambda node: node, rewrite=_finite_fill),)
 
 
 @register_pass

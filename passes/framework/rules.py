@@ -7,7 +7,8 @@
     found = SELF_SLOT.matches(model.get_ordered_ops())  # match only (rewrite them together later)
 
 `match(node)` returns what the rewrite needs, or raises `NoMatch(reason)`; it runs only on
-nodes whose type is one of `anchors`, and must not change the model. `rewrite(match)` edits
+nodes whose type is one of `anchors` (and that `where` admits, when given), and must not
+change the model. `rewrite(match)` edits
 the model. A rule is named `<pass>/<pattern>`.
 
 Every match attempt is recorded while a PassManager runs the pass: hits per rule go into its
@@ -64,10 +65,13 @@ class Rule:
     anchors: tuple[str, ...]
     match: Callable[[ov.Node], Any]
     rewrite: Callable[[Any], None] | None = None
+    # For a rule anchored on a type every model has hundreds of (Constant): the nodes of the
+    # anchor types it is about; the others are no candidates, and no miss is recorded for them.
+    where: Callable[[ov.Node], bool] | None = None
 
     def try_match(self, node: ov.Node) -> Any | None:
         """The match at `node`, or None (a miss, recorded with its reason)."""
-        if node.get_type_name() not in self.anchors:
+        if node.get_type_name() not in self.anchors or (self.where is not None and not self.where(node)):
             return None
         log = _ACTIVE.get()
         try:

@@ -114,8 +114,8 @@ def _biased_generate_blobs(eps: float):
     real = StaticPipeline._decode_step
     bias = {}
 
-    def step(self, variant, token, stored, origin=0):
-        logits, kept = real(self, variant, token, stored, origin)
+    def step(self, variant, token, stored, origin=0, shift=0):
+        logits, kept = real(self, variant, token, stored, origin, shift)
         if self.generate_sessions[variant].backend == "numpy":
             return logits, kept
         if "b" not in bias:
