@@ -184,7 +184,7 @@ def read_media(images: tuple[str, ...], positions: Path | None):
     spans = []
     for image in images:
         start, sep, path = image.partition(":")
-        if not sep or not start.strip().isdigit():
+        if not sep or not (start.isascii() and start.isdigit()):
             raise UsageError(f"--image {image!r}: expected START:ROWS.npy (START the prompt position of its first row)")
         spans.append((int(start), _npy(Path(path), "--image")))
     return Media(tuple(sorted(spans, key=lambda span: span[0])),
@@ -197,9 +197,13 @@ def _npy(path: Path, option: str):
     if not path.is_file():  # a FIFO would block the read, a directory fail it obscurely
         raise UsageError(f"{option} {path}: " + ("not a regular file" if path.exists() else "no such file"))
     try:
-        return np.load(path, allow_pickle=False)
+        array = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise UsageError(f"{option} {path}: not a NumPy .npy array without pickles ({exc})") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        array.close()
+        raise UsageError(f"{option} {path}: an .npz archive; give one array as a .npy")
+    return array
 
 
 def default_backend(out: Path) -> str:

@@ -36,9 +36,12 @@ is shared by every attention of a model with the same L and S.
   padding so; OpenVINO's CPU plugin kept that at f32 while the model's shapes were dynamic,
   and with static shapes computed it at bf16: the static prefill's logits were 0.85 of their
   spread off (the source model itself reshaped to [1, 128] by OpenVINO alone: 1.53 off at
-  bf16, 0.019 dynamic). Every small f32 constant holding float32's lowest (a fill: masks,
-  `full`, `masked_fill`) holds BF16_LOWEST instead, finite in bf16 and f32 alike: a masked
-  score's exp() is 0 either way, so at f32 the model computes the same.
+  bf16, 0.019 dynamic). Every f32 constant of at most FILL_ELEMENTS that no MatMul, Gather or
+  Convolution reads (not a weight) and that holds float32's lowest holds BF16_LOWEST there
+  instead, finite in bf16 and f32 alike: a mask's fill (`full`, `masked_fill`, the padding's
+  product), and a clamp such as XGLM's `Maximum(x, lowest)`. A masked score's exp() is 0
+  either way, and no activation comes near either bound, so at f32 the model computes the
+  same (bloom, mpt, xglm and gemma3: their f32 logits bit-identical with and without it).
 """
 
 from __future__ import annotations

@@ -128,6 +128,9 @@ class Embedder:
         return np.asarray(out[self._output], np.float32)
 
 
+POSITION_LIMIT = 1 << 31  # a media position's magnitude: far past any model's, and i64 arithmetic stays exact
+
+
 @dataclass(frozen=True)
 class Media:
     """What a vision-language pipeline feeds for a prompt besides its token ids: the rows of its
@@ -164,9 +167,12 @@ class Media:
             if rows.ndim != 2 or not rows.shape[0] or (embed.width > 0 and rows.shape[1] != embed.width):
                 raise UsageError(f"media rows at position {start}: expected [m, {embed.width}], found "
                                  f"{list(rows.shape)}")
-            if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():
-                raise UsageError(f"media rows at position {start}: expected finite real numbers, found "
-                                 f"{rows.dtype}" + ("" if rows.dtype.kind not in "fiu" else " with NaN or infinity"))
+            if rows.dtype.kind not in "fiu":
+                raise UsageError(f"media rows at position {start}: expected finite real numbers, found {rows.dtype}")
+            with np.errstate(over="ignore", invalid="ignore"):
+                if not np.isfinite(rows.astype(np.float32)).all():  # as the model is given them
+                    raise UsageError(f"media rows at position {start}: expected finite real numbers, found "
+                                     f"{rows.dtype} with NaN or infinity as f32")
             if start < end or start + rows.shape[0] > n:
                 raise UsageError(f"media span [{start}, {start + rows.shape[0]}) must follow the one before it "
                                  f"(ending at {end}) and lie within the {n}-token prompt")
@@ -175,6 +181,9 @@ class Media:
                                            or np.asarray(self.positions).dtype.kind not in "iu"):
             raise UsageError(f"media positions: expected integers [3, {n}] (mRoPE's sections of every prompt "
                              f"token), found {np.asarray(self.positions).dtype}{list(np.shape(self.positions))}")
+        if self.positions is not None and np.abs(np.asarray(self.positions, np.float64)).max() >= POSITION_LIMIT:
+            raise UsageError(f"media positions: expected positions within +-{POSITION_LIMIT - 1}, found "
+                             f"{int(np.abs(np.asarray(self.positions, np.float64)).max())}")
 
     def key(self) -> tuple:
         """The media's content, hashable: a cache of runs keys on it."""

@@ -193,7 +193,7 @@ class StaticPipeline:
         if not C:  # the whole prompt in one call over no past, as a first chunk of P rows is
             calls = [Call(0, n, P, True)]
         elif media is not None and media.spans and self.prefill.has_input("token_type_ids"):
-            calls = self._media_calls(n, media.end)
+            calls = media_calls(self.lengths, n, media.end)
         else:
             calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first,
                                   self.lengths.first_dynamic)
@@ -224,23 +224,6 @@ class StaticPipeline:
             rows.append(logits[size - k:] if logits.shape[0] == size else None)
         prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
-
-    def _media_calls(self, n: int, end: int) -> list[Call]:
-        """The prefill calls of an `n`-token prompt whose media end at position `end`, for a
-        model that reads `token_type_ids`: its first call, over no past, computes positions
-        `[0, end)` at least (`Media`), the smallest first chunk that holds them; the rest as
-        `prefill_calls` splits it."""
-        L = self.lengths
-        size = min((f for f in L.first if f >= end), default=None)
-        if size is None:
-            raise UsageError(
-                f"this model lets an image's tokens attend each other both ways (token_type_ids) only in a prefill "
-                f"call over no past, and the media end at position {end}, beyond the largest first prefill chunk "
-                f"({max(L.first, default=0)}): compile with a first chunk that holds them (--prefill-first) or "
-                f"an unchunked prefill (--prefill-chunk-size 0)")
-        first = Call(0, min(size, n), size, True)
-        rest = _gap_calls(first.end, n, L.prompt, (L.chunk, *L.bulk), (), L.first_dynamic) if first.end < n else []
-        return [first, *rest]
 
     def check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
         """Refuse a request the pipeline cannot serve (empty prompt, ids outside the vocabulary,
@@ -521,6 +504,28 @@ def prefill_calls(start: int, n: int, skip, prompt_len: int, chunks: tuple[int, 
         if begin < a:
             yield from _gap_calls(begin, a, prompt_len, chunks, first, dynamic)
         begin = b
+
+
+def media_calls(L: LengthPlan, n: int, end: int) -> list[Call]:
+    """The prefill calls of an `n`-token prompt whose media end at position `end`, for a
+    model that reads `token_type_ids`: a first call, over no past, that computes positions
+    `[0, end)` at least (`Media`), the smallest first chunk that does so and leaves the
+    rest to calls (as `prefill_calls` splits it) that start at `end` or later. A chunk call
+    must start at P - C or before, so after a first chunk longer than that the rest starts
+    earlier and computes some of its rows again over a past: an image's rows among them
+    would be computed causally and overwrite the first call's."""
+    for size in sorted(f for f in L.first if f >= end):
+        first = Call(0, min(size, n), size, True)
+        rest = list(_gap_calls(first.end, n, L.prompt, (L.chunk, *L.bulk), (), L.first_dynamic)
+                    if first.end < n else ())
+        if all(call.begin >= end for call in rest):
+            return [first, *rest]
+    raise UsageError(
+        f"this model lets an image's tokens attend each other both ways (token_type_ids) only in a prefill call "
+        f"over no past, and the media end at position {end}: no first prefill chunk "
+        f"({', '.join(map(str, L.first)) or 'none'}) holds them with the calls after it starting at or past "
+        f"them (a chunk of {L.chunk} starts at {L.prompt - L.chunk} at the latest): compile with a first chunk "
+        f"that holds them (--prefill-first) or an unchunked prefill (--prefill-chunk-size 0)")
 
 
 def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...], dynamic: bool = False):

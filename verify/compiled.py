@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvc.errors import UsageError
 from kvc.runtime.embeddings import Media
 from kvc.runtime.sampling import JUDGED
 
@@ -171,41 +172,80 @@ MEDIA_AT, MEDIA_GRID = 2, (2, 3)  # `media_probe`'s image: from position 2, a 2 
 
 
 def media_probe(manifest: dict, plan, vocab: int, tokens: int = 8, seed: int = 0) -> list[Probe]:
-    """The probe of a model that takes `inputs_embeds` (the language model of a
-    vision-language export; none for another): a 12-token prompt (at most P) with an image at
-    positions 2 to 7, rows of its own in place of the ids' (`Media`: random, not any id's,
-    with `token_type_ids` 1), laid out as a 2 x 3 grid where position_ids state mRoPE's three
-    sections (t, h, w: 2 + row and 2 + column, the text after it from the grid's end on),
-    generating `tokens`. The text probes feed every token its id's row, type 0, and the same
-    position in every section; this one proves the static models compute what the source
-    does with what a vision-language pipeline feeds them too: an image's rows, Gemma 3's
-    both-ways attention within an image (which its chunk models over a past do not compute:
-    the runtime gives the image the first call, `StaticPipeline.prefill_prompt`), mRoPE's
-    sections and the positions generated tokens take after them. None where no first call
-    holds the image (a model that reads types, chunked with no first chunk reaching position 8:
-    the runtime refuses such an image)."""
+    """The probes of a model that takes `inputs_embeds` (the language model of a
+    vision-language export; none for another). The text probes feed every token its id's row,
+    type 0, and the same position in every section; these prove the static models compute
+    what the source does with what a vision-language pipeline feeds them too: an image's
+    rows, Gemma 3's both-ways attention within an image, mRoPE's sections and the positions
+    generated tokens take after them.
+
+    * A 12-token prompt (at most P) with an image at positions 2 to 7, in the first prefill
+      call: rows of its own in place of the ids' (`Media`: random, not any id's, with
+      `token_type_ids` 1), laid out as a 2 x 3 grid where position_ids state mRoPE's three
+      sections (t, h, w: 2 + row and 2 + column, the text after it from the grid's end on),
+      generating `tokens`. None where no first call holds the image of a model that reads
+      types (`media_calls`: the runtime refuses it).
+    * With a chunked prefill and a model that does not read types, the same image in a chunk
+      call over a past (`_chunk_image_at`), generating BULK_TOKENS: with the first probe
+      alone, the chunk model's mRoPE sections collapsed to t were published (the first call
+      holds the first probe's image). A model that reads types computes no image over a past
+      (`media_calls`), so it has no such probe."""
     from kvc.export.manifest import token_input
-    from kvc.runtime.static_pipeline import max_new_tokens
+    from kvc.runtime.static_pipeline import max_new_tokens, media_calls
 
     if token_input(manifest) != "inputs_embeds":
         return []
     ports = {p["name"]: p for p in manifest["models"]["prefill"]["inputs"]}
-    rows, cols = MEDIA_GRID
-    end = MEDIA_AT + rows * cols
-    n = min(plan.prompt, end + 4)
-    if n < end or (plan.chunk and "token_type_ids" in ports and all(f < end for f in plan.first)):
-        return []
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(1, vocab, n).tolist()
-    image = rng.standard_normal((rows * cols, ports["inputs_embeds"]["shape"][-1])).astype(np.float32)
+    width = ports["inputs_embeds"]["shape"][-1]
+    sections = len(ports.get("position_ids", {}).get("shape", ())) == 3
+    typed = "token_type_ids" in ports
+    rows, cols = MEDIA_GRID
+    probes = []
+    n = min(plan.prompt, MEDIA_AT + rows * cols + 4)
+    try:
+        if n < MEDIA_AT + rows * cols or (plan.chunk and typed and not media_calls(plan, n, MEDIA_AT + rows * cols)):
+            n = 0
+    except UsageError:
+        n = 0
+    if n:
+        probes.append(Probe(rng.integers(1, vocab, n).tolist(), min(tokens, max_new_tokens(plan, n)),
+                            media=_image_media(rng, n, MEDIA_AT, width, sections)))
+    found = None if typed or not plan.chunk else _chunk_image_at(plan, rows * cols)
+    if found is not None:
+        n, start = found
+        probes.append(Probe(rng.integers(1, vocab, n).tolist(), min(BULK_TOKENS, max_new_tokens(plan, n)),
+                            media=_image_media(rng, n, start, width, sections)))
+    return probes
+
+
+def _image_media(rng, n: int, start: int, width: int, sections: bool) -> Media:
+    """`media_probe`'s image at `start` of an n-token prompt: MEDIA_GRID random rows, and
+    with `sections` mRoPE's positions laid out as Qwen2-VL's `get_rope_index` lays them."""
+    rows, cols = MEDIA_GRID
+    end = start + rows * cols
+    image = rng.standard_normal((rows * cols, width)).astype(np.float32)
     positions = None
-    if len(ports.get("position_ids", {}).get("shape", ())) == 3:
+    if sections:
         grid = np.arange(rows * cols)
         positions = np.repeat(np.arange(n, dtype=np.int64)[None], 3, axis=0)
-        positions[:, MEDIA_AT:end] = MEDIA_AT + np.stack([np.zeros_like(grid), grid // cols, grid % cols])
-        after = positions[:, :end].max() + 1
-        positions[:, end:] = after + np.arange(n - end)
-    return [Probe(prompt, min(tokens, max_new_tokens(plan, n)), media=Media(((MEDIA_AT, image),), positions))]
+        positions[:, start:end] = start + np.stack([np.zeros_like(grid), grid // cols, grid % cols])
+        positions[:, end:] = positions[:, :end].max() + 1 + np.arange(n - end)
+    return Media(((start, image),), positions)
+
+
+def _chunk_image_at(plan, m: int) -> tuple[int, int] | None:
+    """(n, start): the shortest prompt among a few whose prefill (`prefill_calls`) makes a
+    chunk call over a past with room for an image of `m` rows after its first row, and where
+    that image starts; None without one."""
+    from kvc.runtime.static_pipeline import prefill_calls
+
+    sizes = (plan.chunk, *plan.bulk)
+    for n in sorted({min(plan.prompt, x + m + 2) for x in (*plan.first, plan.chunk)}):
+        for call in prefill_calls(0, n, (), plan.prompt, sizes, plan.first, plan.first_dynamic):
+            if not call.first and call.begin > 0 and call.end - call.begin >= m + 1:
+                return n, call.begin + 1
+    return None
 
 
 def _far_probes(plan) -> list[tuple[int, int, bool]]:

@@ -18,7 +18,8 @@ from kvc.ir import load
 from kvc.runtime.embeddings import Media
 from kvc.runtime.generate import greedy
 from kvc.runtime.session import OpenVINOSession
-from kvc.runtime.static_pipeline import StaticPipeline, prefill_calls
+from kvc.runtime import static_pipeline
+from kvc.runtime.static_pipeline import prefill_calls
 from tests.cli.runner import kvc
 
 VISION = ("llava", "gemma3", "qwen2_5_vl")
@@ -104,9 +105,29 @@ def test_an_image_of_a_model_that_reads_token_types_runs_in_the_first_call(compi
     pipe = open_compiled(compiled["gemma3", "CPU"], "openvino")
     first = max(pipe.lengths.first)
     prompt, media = _image(120, first - 8, 2, 8, sections=False)  # ends 8 past the first chunk
-    with pytest.raises(UsageError, match=rf"the media end at position {first + 8}, beyond the largest first prefill "
-                                         rf"chunk \({first}\): compile with a first chunk that holds them"):
+    with pytest.raises(UsageError, match=rf"the media end at position {first + 8}: no first prefill chunk \({first}\) "
+                                         rf"holds them .*compile with a first chunk that holds them"):
         pipe.generate(prompt, 2, media=media)
+
+
+def test_no_call_after_the_first_computes_an_image_again(tmp_path):
+    """A static first chunk of 112 at P 128 and chunks of 32: the calls after it start at 96
+    (P - C) and compute rows 96-111 again over a past. An image there was computed causally
+    and overwrote the first call's rows (logits 4.5 off, other tokens, every check OK); it is
+    refused now, and an image the later calls do not reach runs as the source computes it."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("gemma3"), "-o", out, "--inference-precision", "f32", "--prefill-chunk-size", "32",
+        "--prefill-first", "112", "--prefill-first-rows", "static")
+    pipe = open_compiled(out, "openvino")
+    late, media = _image(128, 100, 2, 6, sections=False)
+    with pytest.raises(UsageError, match=r"the media end at position 112: no first prefill chunk \(112\) holds "
+                                         r"them with the calls after it starting at or past them"):
+        pipe.generate(late, 4, media=media)
+    early, media = _image(128, 2, 2, 6, sections=False)
+    ref = greedy(_source("gemma3"), early, 4, media=media)
+    got = pipe.generate(early, 4, media=media)
+    assert got.tokens == ref.tokens
+    assert max(np.abs(a - b).max() for a, b in zip(got.logits, ref.logits)) < 2e-5
 
 
 def test_without_the_first_call_an_image_of_gemma3_is_computed_wrong(tmp_path, monkeypatch):
@@ -122,7 +143,7 @@ def test_without_the_first_call_an_image_of_gemma3_is_computed_wrong(tmp_path, m
     with pytest.raises(UsageError, match="only in a prefill call over no past"):
         pipe.generate(prompt, 2, media=media)
     L = pipe.lengths
-    monkeypatch.setattr(StaticPipeline, "_media_calls", lambda self, n, end: list(
+    monkeypatch.setattr(static_pipeline, "media_calls", lambda lengths, n, end: list(
         prefill_calls(0, n, (), L.prompt, (L.chunk, *L.bulk), L.first, L.first_dynamic)))
     got = pipe.generate(prompt, 2, media=media)
     ref = greedy(_source("gemma3"), prompt, 2, media=media)
@@ -136,6 +157,10 @@ def test_the_compile_and_verify_probe_an_image(compiled):
         manifest = read_manifest(compiled["gemma3", device])
         assert [r["media"] for r in manifest["verification"]["results"] if "media" in r] == [[[2, 6]]]
         assert [r["device"] for r in manifest["blob_check"] if "media" in r] == [device]
+    # a model that reads no types gets an image in a chunk call over a past too (CPU: chunked)
+    spans = [r["media"] for r in read_manifest(compiled["qwen2_5_vl", "CPU"])["verification"]["results"] if "media" in r]
+    assert len(spans) == 2 and spans[0] == [[2, 6]] and spans[1][0][0] > 2
+    assert sum("media" in r for r in read_manifest(compiled["qwen2_5_vl", "NPU"])["verification"]["results"]) == 1
     result = kvc("verify", compiled["gemma3", "CPU"])
     assert len(re.findall(r"^(numpy|openvino) +\d+ +12 \(image 2-7\) ", result.output, re.M)) == 2
 
@@ -150,6 +175,10 @@ def test_the_compile_and_verify_probe_an_image(compiled):
     (Media(((2, np.full((3, 64), np.nan, np.float32)),)), r"position 2: expected finite real numbers, found float32 "
                                                            r"with NaN"),
     (Media(((2, np.full((3, 64), "x")),)), r"position 2: expected finite real numbers, found <U1"),
+    (Media(((2, np.full((3, 64), 1e300)),)), r"position 2: expected finite real numbers, found float64 with NaN or "
+                                             r"infinity as f32"),
+    (Media((), np.full((3, 12), 2**63 + 5, np.uint64)), r"media positions: expected positions within \+-2147483647"),
+    (Media((), np.full((3, 12), 2**40, np.int64)), r"media positions: expected positions within \+-2147483647"),
 ])
 def test_media_that_do_not_fit_the_prompt_are_refused(compiled, media, message):
     pipe = open_compiled(compiled["llava", "CPU"], "numpy")
@@ -193,11 +222,15 @@ def test_kvc_run_takes_an_image_and_its_positions(compiled, tmp_path):
     ("2:{tmp}", "not a regular file"),
     ("2:{pickled}", "not a NumPy .npy array without pickles"),
     ("10:{rows}", r"media span \[10, 16\) must follow the one before it \(ending at 0\) and lie within the 12-token"),
+    ("\u00b2:{rows}", "expected START:ROWS.npy"),  # a digit to str.isdigit, not to int()
+    ("2:{npz}", "an .npz archive; give one array as a .npy"),
 ])
 def test_kvc_run_refuses_an_image_it_cannot_use(compiled, tmp_path, image, message):
     np.save(tmp_path / "rows.npy", np.zeros((6, WIDTH), np.float32))
     np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    image = image.format(rows=tmp_path / "rows.npy", tmp=tmp_path, pickled=tmp_path / "pickled.npy")
+    np.savez(tmp_path / "rows.npz", rows=np.zeros((6, WIDTH), np.float32))
+    image = image.format(rows=tmp_path / "rows.npy", tmp=tmp_path, pickled=tmp_path / "pickled.npy",
+                         npz=tmp_path / "rows.npz")
     result = kvc("run", compiled["llava", "CPU"], "--prompt-ids", ",".join(map(str, range(1, 13))), "--image", image,
                  code=2)
     assert re.search(message, result.output), result.output

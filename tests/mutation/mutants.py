@@ -278,6 +278,13 @@ def mrope_sections_collapsed(name, model):
 
 
 @mutant
+def chunk_mrope_sections_collapsed(name, model):
+    """the chunk prefill model alone: mRoPE's sections all read t (an image in a chunk call
+    over a past; the first probe's image lies in the first call)."""
+    return mrope_sections_collapsed(name, model) if name == "prefill" else 0
+
+
+@mutant
 def window_off_by_one(name, model):
     """every model: the sliding window's comparison one token short (kv > q - W + 1; Gemma 3's
     (q - kv) >= W as (q - kv) >= W - 1)."""
