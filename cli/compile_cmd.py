@@ -117,6 +117,23 @@ def source_name(path: Path, bundled: bool) -> str:
     return f"the bundled model ({path.parent.name})" if bundled else str(path)
 
 
+def image_rule(manifest: dict) -> str:
+    """Where a prompt's image may lie in the compiled models of a vision-language model
+    (`kvc.runtime.embeddings.Media`): anywhere, unless they read `token_type_ids`."""
+    from kvc.export.manifest import plan_of
+    from kvc.runtime.static_pipeline import image_end_limit
+
+    if not any(p["name"] == "token_type_ids" for p in manifest["models"]["prefill"]["inputs"]):
+        return "anywhere in a prompt (kvc run --image START:ROWS.npy)"
+    L = plan_of(manifest).lengths
+    end = image_end_limit(L)
+    why = "token_type_ids: an image attends itself both ways only in a prefill call over no past"
+    if not end:
+        return (f"none: no first prefill call over no past holds one ({why}); compile with --prefill-first "
+                f"or --prefill-chunk-size 0")
+    return f"in the first prefill call, ending by position {end} in a prompt of {L.prompt} tokens ({why})"
+
+
 def render_summary(out: Path, manifest: dict, source: str | None = None) -> None:
     from kvc.export.manifest import model_order, shared_with, token_input
     from kvc.plan import chunk_label
@@ -139,6 +156,8 @@ def render_summary(out: Path, manifest: dict, source: str | None = None) -> None
                           + shared_with(name, b) for d, b in m["blobs"].items()) or "-"
         rows.append((name, shapes.get(token, "-"), shapes.get("attention_mask", "-"), past, blobs))
     click.echo(table(["model", token, "attention_mask", "past KV", "blobs"], rows))
+    if token == "inputs_embeds":
+        click.echo(f"images: {image_rule(manifest)}")
     weights = out / manifest["weights"]
     click.echo(f"weights: {manifest['weights']} ({human_bytes(weights.stat().st_size)} on disk: every constant of every "
                f"model once, each 64-byte aligned), shared by every model")

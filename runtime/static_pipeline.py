@@ -528,6 +528,21 @@ def media_calls(L: LengthPlan, n: int, end: int) -> list[Call]:
         f"that holds them (--prefill-first) or an unchunked prefill (--prefill-chunk-size 0)")
 
 
+def image_end_limit(L: LengthPlan) -> int:
+    """The furthest position an image of a model that reads `token_type_ids` can end at in a
+    prompt of P tokens (`media_calls`; a shorter prompt's first call may reach further): P
+    with an unchunked prefill, 0 when no first chunk can hold one."""
+    if not L.chunk:
+        return L.prompt
+    for end in range(max(L.first, default=0), 0, -1):
+        try:
+            media_calls(L, L.prompt, end)
+        except UsageError:
+            continue
+        return end
+    return 0
+
+
 def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...], dynamic: bool = False):
     C = chunks[0]  # the others are multiples of it: a call starts on the gap's start, or a first chunk's end, + k * C
     inf = float("inf")

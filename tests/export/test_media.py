@@ -135,8 +135,9 @@ def test_without_the_first_call_an_image_of_gemma3_is_computed_wrong(tmp_path, m
     compile's image probe, which no call could run, is left out. Run anyway by the chunk split
     a text takes, its logits are not the source's: the reason for the rule."""
     out = tmp_path / "out"
-    kvc("compile", fixtures.path("gemma3"), "-o", out, "--prefill-chunk-size", "16", "--prefill-first", "0",
-        "--inference-precision", "f32")
+    result = kvc("compile", fixtures.path("gemma3"), "-o", out, "--prefill-chunk-size", "16", "--prefill-first", "0",
+                 "--inference-precision", "f32")
+    assert "images: none: no first prefill call over no past holds one" in result.output  # said up front
     assert not any(r.get("media") for r in read_manifest(out)["verification"]["results"])
     prompt, media = _image(12, 2, 2, 3, sections=False)
     pipe = open_compiled(out, "openvino")
@@ -161,6 +162,9 @@ def test_the_compile_and_verify_probe_an_image(compiled):
     spans = [r["media"] for r in read_manifest(compiled["qwen2_5_vl", "CPU"])["verification"]["results"] if "media" in r]
     assert len(spans) == 2 and spans[0] == [[2, 6]] and spans[1][0][0] > 2
     assert sum("media" in r for r in read_manifest(compiled["qwen2_5_vl", "NPU"])["verification"]["results"]) == 1
+    inspect = {name: kvc("inspect", compiled[name, "CPU"]).output for name in VISION}
+    assert "images: anywhere in a prompt" in inspect["llava"] and "images: anywhere" in inspect["qwen2_5_vl"]
+    assert "images: in the first prefill call, ending by position 96 in a prompt of 128 tokens" in inspect["gemma3"]
     result = kvc("verify", compiled["gemma3", "CPU"])
     assert len(re.findall(r"^(numpy|openvino) +\d+ +12 \(image 2-7\) ", result.output, re.M)) == 2
 
