@@ -226,7 +226,7 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     directory compiled from other files is refused without --force, never replaced."""
     from kvc.cli.options import progress
     from kvc.export.compile import (CompileOptions, compile_and_open, compile_static, compile_to,
-                                    source_selects)
+                                    source_image_rows, source_selects)
     from kvc.export.load import DEVICE_OF_BACKEND
     from kvc.export.manifest import read_manifest, same_source
 
@@ -246,7 +246,8 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
         progress(f"{out}'s manifest records {source} as its source, unchanged: running it (its own files are "
                  f"checked by size{', and by sha256 (--check)' if check else '; --check hashes them'})")
         return None, False
-    options = CompileOptions(compile_static((device,), selects=source_selects(source)), (device,), force=force)
+    options = CompileOptions(compile_static((device,), selects=source_selects(source),
+                                            image_rows=source_image_rows(source)), (device,), force=force)
     if runs_ir:
         compile_to(source, out, options, progress=progress)
         return None, True

@@ -179,18 +179,31 @@ def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tupl
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
 
-def resolve_first(value, devices=("CPU",), chunk=0, rows: str = "static") -> tuple[int, ...]:
+def resolve_first(value, devices=("CPU",), chunk=0, rows: str = "static", image_rows: int = 0) -> tuple[int, ...]:
     """--prefill-first auto: with a chunked prefill (`chunk`, resolved) when every device is
     the CPU, CPU_FIRST, or with dynamic `rows` one first chunk of the largest chunk's rows
     (the bulk chunk: every If body's outputs are padded to the largest rows, so a larger first
     chunk would pad every call's); else none (the NPU's graphs: no NPU here to measure a
-    change on)."""
+    change on). A model whose image attends itself both ways only in a first call
+    (`image_rows`, `source_image_rows`) also gets a first chunk that holds an image and
+    IMAGE_LEAD tokens before it (the power of two at or above: Gemma 3's 256 rows, 512), or
+    its dynamic one grows to it: with CPU_FIRST alone no Gemma 3 image fit any call."""
     if value != "auto":
         return value
     largest = max(chunk) if isinstance(chunk, tuple) else chunk
     if not (cpu_only(devices) and largest):
         return ()
-    return (largest,) if rows == "dynamic" else CPU_FIRST
+    first = (largest,) if rows == "dynamic" else CPU_FIRST
+    if image_rows:
+        holds = 1 << (image_rows + IMAGE_LEAD - 1).bit_length()
+        first = (max(largest, holds),) if rows == "dynamic" else tuple(sorted({*first, holds}))
+    return first
+
+
+# The tokens before an image that a first chunk holding it leaves room for (`resolve_first`):
+# Gemma 3's chat template puts about 5 (<bos><start_of_turn>user and <start_of_image>); a
+# system prompt more.
+IMAGE_LEAD = 64
 
 
 # A first chunk of dynamic rows (--prefill-first-rows auto) at f32: one first-chunk model that
@@ -280,9 +293,11 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
     return "rows" if cpu_bf16(devices, precision) else "as-is"
 
 
-def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = False, **fields) -> StaticOptions:
+def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = False, image_rows: int = 0,
+                   **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`) and a
-    model that `selects` or not (`source_selects`): the `fields` given, and the prefill chunk,
+    model that `selects` or not (`source_selects`), whose images take `image_rows`
+    (`source_image_rows`): the `fields` given, and the prefill chunk,
     KV type, attention and prefill MLP form, unless given, resolved as its `auto`
     (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`, `resolve_attention`,
     `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
@@ -291,7 +306,7 @@ def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = Fa
     fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
                                                       fields["prefill_chunk_size"], selects)
     fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"],
-                                            fields["prefill_first_rows"])
+                                            fields["prefill_first_rows"], image_rows)
     fields["kv_precision"] = resolve_kv(fields.get("kv_precision", "auto"), devices, precision)
     fields["attention"] = resolve_attention(fields.get("attention", "auto"), devices)
     fields["prefill_mlp"] = resolve_prefill_mlp(fields.get("prefill_mlp", "auto"), devices, precision)
@@ -666,6 +681,24 @@ def source_selects(model_path) -> bool:
                 return True
             tail = block[-len(pattern):]
     return False
+
+
+def source_image_rows(model_path) -> int:
+    """The rows of an image (config.json's `mm_tokens_per_image`, Gemma 3's 256) of a
+    vision-language model whose language model reads `token_type_ids` (its image attends
+    itself both ways only in a prefill call over no past: `kvc.runtime.embeddings.Media`),
+    read without loading the model; 0 for any other."""
+    files = resolve(model_path)
+    rows = _model_config(files.root).get("mm_tokens_per_image")
+    if files.kind != "ir" or not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
+        return 0
+    pattern, tail = b'name="token_type_ids"', b""
+    with open(files.model, "rb") as f:
+        while block := f.read(1 << 20):
+            if pattern in tail + block:
+                return rows
+            tail = block[-len(pattern):]
+    return 0
 
 
 def model_max_positions(source_dir: Path) -> tuple[str, int] | None:

@@ -183,13 +183,16 @@ def media_probe(manifest: dict, plan, vocab: int, tokens: int = 8, seed: int = 0
       call: rows of its own in place of the ids' (`Media`: random, not any id's, with
       `token_type_ids` 1), laid out as a 2 x 3 grid where position_ids state mRoPE's three
       sections (t, h, w: 2 + row and 2 + column, the text after it from the grid's end on),
-      generating `tokens`. None where no first call holds the image of a model that reads
-      types (`media_calls`: the runtime refuses it).
+      generating `tokens`.
+    * A model that reads types takes an image only in its first call (`media_calls`), on the
+      smallest first chunk that holds it: for each larger first chunk, the image ends two
+      past the one below it, so that call runs it (Gemma 3's default gets a first chunk of
+      512 for its images, `kvc.export.compile.resolve_first`: the 12-token probe ran only
+      the first chunk of 16). None where no first call holds one (the runtime refuses it).
     * With a chunked prefill and a model that does not read types, the same image in a chunk
       call over a past (`_chunk_image_at`), generating BULK_TOKENS: with the first probe
       alone, the chunk model's mRoPE sections collapsed to t were published (the first call
-      holds the first probe's image). A model that reads types computes no image over a past
-      (`media_calls`), so it has no such probe."""
+      holds the first probe's image)."""
     from kvc.export.manifest import token_input
     from kvc.runtime.static_pipeline import max_new_tokens, media_calls
 
@@ -200,18 +203,24 @@ def media_probe(manifest: dict, plan, vocab: int, tokens: int = 8, seed: int = 0
     width = ports["inputs_embeds"]["shape"][-1]
     sections = len(ports.get("position_ids", {}).get("shape", ())) == 3
     typed = "token_type_ids" in ports
-    rows, cols = MEDIA_GRID
+    m = MEDIA_GRID[0] * MEDIA_GRID[1]
+    ends = [MEDIA_AT + m]  # where each probe's image ends
+    if typed and plan.chunk:
+        ends += [f + 2 for f in plan.first[:-1] if f + 2 > ends[0]]
     probes = []
-    n = min(plan.prompt, MEDIA_AT + rows * cols + 4)
-    try:
-        if n < MEDIA_AT + rows * cols or (plan.chunk and typed and not media_calls(plan, n, MEDIA_AT + rows * cols)):
-            n = 0
-    except UsageError:
-        n = 0
-    if n:
-        probes.append(Probe(rng.integers(1, vocab, n).tolist(), min(tokens, max_new_tokens(plan, n)),
-                            media=_image_media(rng, n, MEDIA_AT, width, sections)))
-    found = None if typed or not plan.chunk else _chunk_image_at(plan, rows * cols)
+    for end in ends:
+        n = min(plan.prompt, end + 4)
+        if n < end:
+            continue
+        if typed and plan.chunk:
+            try:
+                media_calls(plan, n, end)
+            except UsageError:
+                continue
+        probes.append(Probe(rng.integers(1, vocab, n).tolist(), min(tokens if end == ends[0] else BULK_TOKENS,
+                                                                      max_new_tokens(plan, n)),
+                            media=_image_media(rng, n, end - m, width, sections)))
+    found = None if typed or not plan.chunk else _chunk_image_at(plan, m)
     if found is not None:
         n, start = found
         probes.append(Probe(rng.integers(1, vocab, n).tolist(), min(BULK_TOKENS, max_new_tokens(plan, n)),

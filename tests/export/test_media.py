@@ -238,3 +238,59 @@ def test_kvc_run_refuses_an_image_it_cannot_use(compiled, tmp_path, image, messa
     result = kvc("run", compiled["llava", "CPU"], "--prompt-ids", ",".join(map(str, range(1, 13))), "--image", image,
                  code=2)
     assert re.search(message, result.output), result.output
+
+
+def _gemma3_with_real_images(tmp_path):
+    """The gemma3 fixture stating Gemma 3's 256 rows an image and 1024 positions (its rotary
+    has no table, so the tiny model runs there as it does at 256)."""
+    import json
+    import shutil
+
+    source = tmp_path / "gemma3"
+    shutil.copytree(fixtures.path("gemma3"), source)
+    config = json.loads((source / "config.json").read_text())
+    config["mm_tokens_per_image"] = 256
+    config["text_config"]["max_position_embeddings"] = 1024
+    (source / "config.json").write_text(json.dumps(config))
+    return source
+
+
+def test_gemma3s_default_compile_holds_an_image_in_a_first_chunk(tmp_path):
+    """With the CPU's first chunks alone (16, 128) no Gemma 3 image of 256 rows fit any call
+    over no past, so the default compile could take none; a first chunk of 512 is added
+    (`resolve_first`), a 256-row image after 5 text tokens runs as the source computes it,
+    and the compile probes an image in every first chunk."""
+    from kvc.export.compile import resolve_first, source_image_rows
+
+    source = _gemma3_with_real_images(tmp_path)
+    assert source_image_rows(source) == 256
+    assert [source_image_rows(fixtures.path(name)) for name in ("llava", "qwen2_5_vl", "llama")] == [0, 0, 0]
+    assert resolve_first("auto", ("CPU",), (16, 128), "static", 256) == (16, 128, 512)
+    assert resolve_first("auto", ("CPU",), (32, 256), "dynamic", 256) == (512,)
+    assert resolve_first("auto", ("NPU",), 0, "static", 256) == ()
+    assert resolve_first((64,), ("CPU",), (16, 128), "static", 256) == (64,)  # as given
+    out = tmp_path / "out"
+    result = kvc("compile", source, "-o", out, "--inference-precision", "f32")
+    assert "images: in the first prefill call, ending by position 512" in result.output
+    # at bf16 (the CPU's default on a bf16 host) static first chunks, each probed with an image
+    bf16 = kvc("compile", source, "-o", tmp_path / "bf16", "--inference-precision", "bf16").output
+    assert "first 16 + first 128 + first 512" in bf16
+    assert "verification: prompt of 134 tokens with an image of 6 rows at position 124" in bf16
+    prompt, media = _image(300, 5, 16, 16, sections=False)
+    ref = greedy(_source("gemma3"), prompt, 4, media=media)
+    got = open_compiled(out, "openvino").generate(prompt, 4, media=media)
+    assert got.tokens == ref.tokens
+    assert max(np.abs(a - b).max() for a, b in zip(got.logits, ref.logits)) < 2e-5
+
+
+def test_an_image_fault_in_the_large_first_chunk_alone_is_refused(tmp_path, monkeypatch):
+    """At bf16 the first chunks are static (16, 128, 512): a fault in the larger ones' image
+    handling passed the 12-token image probe, which runs first-16; each first chunk now runs
+    an image."""
+    from tests.mutation.mutants import apply
+
+    applied = apply("large_first_token_types_ignored", monkeypatch.setattr, monkeypatch.setenv, "ir")
+    result = kvc("compile", _gemma3_with_real_images(tmp_path), "-o", tmp_path / "out", "--inference-precision",
+                 "bf16", code=4)
+    assert applied.edits
+    assert "prompt of 22 tokens with an image of 6 rows at position 12" in result.output

@@ -267,6 +267,15 @@ def token_types_ignored(name, model):
 
 
 @mutant
+def large_first_token_types_ignored(name, model):
+    """first-chunk models above 16 rows: every token read as text (the first chunk a Gemma 3
+    image takes, `kvc.export.compile.resolve_first`; the 12-token image probe runs first-16)."""
+    if not name.startswith("first-") or int(name.split("-")[1]) <= 16:
+        return 0
+    return token_types_ignored(name, model)
+
+
+@mutant
 def mrope_sections_collapsed(name, model):
     """every model: mRoPE's three position sections all read the first (t), as if a text
     token's: an image's h and w rows rotate wrongly (Qwen2-VL). Only a probe with an image
