@@ -673,9 +673,13 @@ def source_selects(model_path) -> bool:
     file without loading it (`resolve_first_rows` needs it before the compile loads the model):
     a scan of the IR's XML or of the ONNX file, in 1 MiB blocks."""
     files = resolve(model_path)
-    pattern = _TOPK[files.kind]
+    return _holds(files.model, _TOPK[files.kind])
+
+
+def _holds(path: Path, pattern: bytes) -> bool:
+    """Whether the file holds `pattern`, read in 1 MiB blocks."""
     tail = b""
-    with open(files.model, "rb") as f:
+    with open(path, "rb") as f:
         while block := f.read(1 << 20):
             if pattern in tail + block:
                 return True
@@ -692,13 +696,7 @@ def source_image_rows(model_path) -> int:
     rows = _model_config(files.root).get("mm_tokens_per_image")
     if files.kind != "ir" or not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
         return 0
-    pattern, tail = b'name="token_type_ids"', b""
-    with open(files.model, "rb") as f:
-        while block := f.read(1 << 20):
-            if pattern in tail + block:
-                return rows
-            tail = block[-len(pattern):]
-    return 0
+    return rows if _holds(files.model, b'name="token_type_ids"') else 0
 
 
 def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
