@@ -163,7 +163,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
                    "finish_reason": gen.finish_reason, "eos_token_ids": sorted(stop),
                    "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
                    "variants": metrics["variants"], "metrics": metrics,
-                   **({} if media is None else {"images": [[start, len(rows)] for start, rows in media.spans]})})
+                   **({} if media is None else {"images": media.extents()})})
         return
     if streamer is None:
         click.echo(f"prompt ({len(ids)} tokens): {ids}")

@@ -177,18 +177,25 @@ class Media:
                 raise UsageError(f"media span [{start}, {start + rows.shape[0]}) must follow the one before it "
                                  f"(ending at {end}) and lie within the {n}-token prompt")
             end = start + rows.shape[0]
-        if self.positions is not None and (np.shape(self.positions) != (3, n)
-                                           or np.asarray(self.positions).dtype.kind not in "iu"):
+        if self.positions is None:
+            return
+        positions = np.asarray(self.positions)
+        if positions.shape != (3, n) or positions.dtype.kind not in "iu":
             raise UsageError(f"media positions: expected integers [3, {n}] (mRoPE's sections of every prompt "
-                             f"token), found {np.asarray(self.positions).dtype}{list(np.shape(self.positions))}")
-        if self.positions is not None and np.abs(np.asarray(self.positions, np.float64)).max() >= POSITION_LIMIT:
+                             f"token), found {positions.dtype}{list(positions.shape)}")
+        farthest = np.abs(positions.astype(np.float64)).max()
+        if farthest >= POSITION_LIMIT:
             raise UsageError(f"media positions: expected positions within +-{POSITION_LIMIT - 1}, found "
-                             f"{int(np.abs(np.asarray(self.positions, np.float64)).max())}")
+                             f"{int(farthest)}")
 
     def key(self) -> tuple:
         """The media's content, hashable: a cache of runs keys on it."""
         return (tuple((start, np.asarray(rows, np.float32).tobytes()) for start, rows in self.spans),
                 None if self.positions is None else np.asarray(self.positions, np.int64).tobytes())
+
+    def extents(self) -> list[list[int]]:
+        """[start, rows] of each span: what a run's record says of its images."""
+        return [[start, len(rows)] for start, rows in self.spans]
 
     @property
     def end(self) -> int:

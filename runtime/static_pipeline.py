@@ -531,16 +531,13 @@ def media_calls(L: LengthPlan, n: int, end: int) -> list[Call]:
 def image_end_limit(L: LengthPlan) -> int:
     """The furthest position an image of a model that reads `token_type_ids` can end at in a
     prompt of P tokens (`media_calls`; a shorter prompt's first call may reach further): P
-    with an unchunked prefill, 0 when no first chunk can hold one."""
+    with an unchunked prefill, else the most any first chunk F allows, F or where the calls
+    after it start if earlier; 0 when no first chunk can hold one."""
     if not L.chunk:
         return L.prompt
-    for end in range(max(L.first, default=0), 0, -1):
-        try:
-            media_calls(L, L.prompt, end)
-        except UsageError:
-            continue
-        return end
-    return 0
+    return max((min([f, *(call.begin for call in _gap_calls(f, L.prompt, L.prompt, (L.chunk, *L.bulk), (),
+                                                            L.first_dynamic))])
+                for f in L.first if f < L.prompt), default=0)
 
 
 def _gap_calls(g0: int, g1: int, P: int, chunks: tuple[int, ...], firsts: tuple[int, ...], dynamic: bool = False):

@@ -408,7 +408,7 @@ def probe_row(probe: Probe) -> dict:
     if probe.filled:
         row["far_past"] = True
     if probe.media is not None:
-        row["media"] = [[start, len(rows)] for start, rows in probe.media.spans]
+        row["media"] = probe.media.extents()
     return row
 
 
