@@ -53,8 +53,9 @@ def embedder_of(model: ov.Model, where: str | None = None) -> Embedder | None:
         return None
     rt = model.get_rt_info()
     width = next(p for p in model.inputs if TOKEN_EMBEDS in p.get_names()).get_partial_shape()[-1]
+    sections = any("position_ids" in p.get_names() and p.get_partial_shape().rank == 3 for p in model.inputs)
     return _found(rt[RT_KEY].astype(str) if RT_KEY in rt else None, width.get_length() if width.is_static else -1,
-                  where or model.get_friendly_name())
+                  where or model.get_friendly_name(), sections)
 
 
 def embedder_beside(directory: Path, name: str, inputs: list[dict]) -> Embedder | None:
@@ -63,10 +64,12 @@ def embedder_beside(directory: Path, name: str, inputs: list[dict]) -> Embedder 
         return None
     port = next(p for p in inputs if p["name"] == TOKEN_EMBEDS)
     path = Path(directory) / TEXT_EMBEDDINGS
-    return _found(str(path.absolute()) if path.is_file() else None, port["shape"][-1], f"{directory}: model {name!r}")
+    sections = any(p["name"] == "position_ids" and len(p["shape"]) == 3 for p in inputs)
+    return _found(str(path.absolute()) if path.is_file() else None, port["shape"][-1], f"{directory}: model {name!r}",
+                  sections)
 
 
-def _found(path: str | None, width: int, where: str) -> Embedder:
+def _found(path: str | None, width: int, where: str, sections: bool) -> Embedder:
     if path is None:
         raise InvalidModelError(
             "no-text-embeddings", where,
@@ -75,7 +78,7 @@ def _found(path: str | None, width: int, where: str) -> Embedder:
             found="none")
     files = (Path(path), Path(path).with_suffix(".bin"))
     stamp = tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for s in map(_stat, files))
-    return _embedder(path, width, stamp)
+    return _embedder(path, width, sections, stamp)
 
 
 def _stat(path: Path):
@@ -87,17 +90,18 @@ def _stat(path: Path):
 
 
 @functools.lru_cache(maxsize=8)
-def _embedder(path: str, width: int, stamp: tuple) -> Embedder:
-    """One embedder per file, width and version of the files (`stamp`) in a process: each
-    compiles its model once, and a file replaced is read again."""
-    return Embedder(Path(path), width)
+def _embedder(path: str, width: int, sections: bool, stamp: tuple) -> Embedder:
+    """One embedder per file, width, language model kind and version of the files (`stamp`) in
+    a process: each compiles its model once, and a file replaced is read again."""
+    return Embedder(Path(path), width, sections)
 
 
 class Embedder:
     """Token ids [B, n] -> their rows [B, n, H] (f32), from a text embeddings model on OpenVINO
-    CPU at f32."""
+    CPU at f32. `sections`: its language model reads mRoPE's [3, B, S] positions (Qwen2-VL),
+    the only kind that takes a prompt's positions (`Media.positions`)."""
 
-    def __init__(self, path: Path, width: int):
+    def __init__(self, path: Path, width: int, sections: bool = False):
         from kvc.ir.reader import load
         from kvc.runtime.session import OpenVINOSession
 
@@ -120,6 +124,7 @@ class Embedder:
                                     f"{shape}")
         self._input, self._output = ids.get_any_name(), out.get_any_name()
         self.width = shape[2].get_length() if shape[2].is_static else width  # a row's
+        self.sections = sections
         self._dtype = ids.get_element_type().to_dtype()
         self._session = OpenVINOSession(model, "CPU")
 
@@ -179,6 +184,9 @@ class Media:
             end = start + rows.shape[0]
         if self.positions is None:
             return
+        if embed is None or not embed.sections:
+            raise UsageError("media positions are mRoPE's [3, n] (Qwen2-VL's language model); this model reads "
+                             + ("input_ids" if embed is None else "one position a token") + ", not three sections")
         positions = np.asarray(self.positions)
         if positions.shape != (3, n) or positions.dtype.kind not in "iu":
             raise UsageError(f"media positions: expected integers [3, {n}] (mRoPE's sections of every prompt "

@@ -185,9 +185,26 @@ def test_the_compile_and_verify_probe_an_image(compiled):
     (Media((), np.full((3, 12), 2**40, np.int64)), r"media positions: expected positions within \+-2147483647"),
 ])
 def test_media_that_do_not_fit_the_prompt_are_refused(compiled, media, message):
-    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
+    pipe = open_compiled(compiled["llava" if media.positions is None else "qwen2_5_vl", "CPU"], "numpy")
     with pytest.raises(UsageError, match=message):
         pipe.generate(list(range(1, 13)), 2, media=media)
+
+
+def test_positions_for_a_model_without_mrope_are_refused(compiled, tmp_path):
+    """Positions are mRoPE's; a model that reads one position a token (LLaVA) or ids refuses
+    them by name, on the compiled pipeline, the source and `kvc run`, before any model runs."""
+    prompt, media = _image(12, 2, 2, 3, sections=True)
+    message = r"media positions are mRoPE's \[3, n\] \(Qwen2-VL's language model\); this model reads one position"
+    with pytest.raises(UsageError, match=message):
+        open_compiled(compiled["llava", "CPU"], "numpy").generate(prompt, 2, media=media)
+    with pytest.raises(UsageError, match=message):
+        greedy(_source("llava"), prompt, 2, media=media)
+    (start, rows), = media.spans
+    np.save(tmp_path / "rows.npy", rows)
+    np.save(tmp_path / "positions.npy", media.positions)
+    result = kvc("run", compiled["llava", "CPU"], "--prompt-ids", ",".join(map(str, prompt)), "--image",
+                 f"{start}:{tmp_path / 'rows.npy'}", "--image-positions", tmp_path / "positions.npy", code=2)
+    assert re.search(message, result.output), result.output
 
 
 def test_media_with_restored_rows_or_a_text_model_are_refused(compiled, tmp_path):
