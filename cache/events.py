@@ -18,12 +18,20 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StoredBlock:
+    """A block stored: its key, tokens and priority; `media_key`, for a block whose key holds
+    more than its tokens (an image's tokens, mRoPE positions: `kvc.cache.prefix`), the digest
+    of that part, so that a consumer tells it from a block of the same tokens as text."""
+
     block_hash: str
     tokens: tuple[int, ...]
     priority: int
+    media_key: str | None = None
 
     def to_dict(self) -> dict:
-        return {"block_hash": self.block_hash, "tokens": list(self.tokens), "priority": self.priority}
+        d = {"block_hash": self.block_hash, "tokens": list(self.tokens), "priority": self.priority}
+        if self.media_key is not None:
+            d["media_key"] = self.media_key
+        return d
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ docs/source/features/kvcache.md):
   first block, so equal keys mean equal sequences from position 0 (a cryptographic hash, as
   TensorRT-LLM requires of its block keys). A block holds the KV rows of its tokens, copied
   out of the pipeline's buffers.
+* A vision-language prompt's image (`kvc.runtime.embeddings.Media`) gives its tokens rows that
+  are not their ids' (an image's tokens share one id) and may give them positions that are not
+  their slots (mRoPE). The sequence's `tags` (`Media.tags`: each token's image digest and
+  position offsets) then enter the key of every block they are not all 0 in, after the
+  tokens, as vLLM keys a block by its images' hashes: equal keys still mean equal rows. Such
+  a block (`Block.media`) is never indexed for chunk reuse, and its stored event names it
+  (`StoredBlock.media_key`).
 * A lookup walks the chain from the first block and stops at the first miss.
 * Capacity is a number of blocks (`max_blocks`, NPUW's MAX_NUM_BLOCKS) and optionally bytes.
   Making room evicts one *leaf* block at a time (a block with a cached child never goes
@@ -122,6 +129,7 @@ class Block:
     children: int = 0
     origin: tuple[int, int] = (0, 0)  # (sequence number, start): blocks stored by one sequence are contiguous
     exact: bool = True  # False: a chunk-reuse block, computed in a context that was itself approximate
+    media: str | None = None  # the digest of its tags (an image's tokens, mRoPE offsets) where its key holds them
 
     @property
     def start(self) -> int:
@@ -133,10 +141,20 @@ class Block:
         return DEFAULT_PRIORITY if lapsed else self.priority
 
 
-def _token_hash(prefix: bytes, tokens: Iterable[int]) -> str:
+def _token_hash(prefix: bytes, tokens: Iterable[int], extra: bytes = b"") -> str:
     digest = hashlib.sha256(prefix)
     digest.update(np.asarray(list(tokens), dtype="<i8").tobytes())
+    digest.update(extra)
     return digest.hexdigest()
+
+
+def block_tags(tags: np.ndarray | None, start: int, size: int) -> bytes:
+    """What the key of the block of `size` tokens at `start` holds besides its tokens: its rows
+    of `tags` (`Media.tags`) where any is not 0, else nothing (the key of its tokens alone)."""
+    if tags is None:
+        return b""
+    block = np.ascontiguousarray(tags[start:start + size], "<i8")
+    return block.tobytes() if block.any() else b""
 
 
 def content_key(tokens: Iterable[int]) -> str:
@@ -145,8 +163,8 @@ def content_key(tokens: Iterable[int]) -> str:
     return _token_hash(b"kvc-chunk\0", tokens)
 
 
-def block_key(parent: str | None, tokens: Iterable[int]) -> str:
-    return _token_hash(bytes.fromhex(parent) if parent else b"", tokens)
+def block_key(parent: str | None, tokens: Iterable[int], extra: bytes = b"") -> str:
+    return _token_hash(bytes.fromhex(parent) if parent else b"", tokens, extra)
 
 
 @dataclass
@@ -195,17 +213,18 @@ class PrefixCache:
         self.bytes_used = 0
 
     # -- lookups ---------------------------------------------------------------------------
-    def chain(self, tokens, count: int):
-        """The chained keys of the full blocks of `tokens[:count]`, in order."""
+    def chain(self, tokens, count: int, tags: np.ndarray | None = None):
+        """The chained keys of the full blocks of `tokens[:count]` (with their `tags`), in order."""
         parent, B = None, self.block_size
         for start in range(0, count - B + 1, B):
-            parent = block_key(parent, tokens[start:start + B])
+            parent = block_key(parent, tokens[start:start + B], block_tags(tags, start, B))
             yield parent
 
-    def lookup(self, tokens, limit: int) -> list[Block]:
-        """The cached blocks that begin `tokens`, in order, covering at most `limit` tokens."""
+    def lookup(self, tokens, limit: int, tags: np.ndarray | None = None) -> list[Block]:
+        """The cached blocks that begin `tokens` (with their `tags`), in order, covering at
+        most `limit` tokens."""
         found = []
-        for key in self.chain(tokens, limit):
+        for key in self.chain(tokens, limit, tags):
             block = self.blocks.get(key)
             if block is None:
                 break
@@ -234,11 +253,13 @@ class PrefixCache:
 
     # -- stores ----------------------------------------------------------------------------
     def store(self, tokens, count: int, rows_of: Callable[[int, int], dict[str, np.ndarray]],
-              retention: Retention | None = None, prompt_len: int | None = None) -> int:
+              retention: Retention | None = None, prompt_len: int | None = None,
+              tags: np.ndarray | None = None) -> int:
         """Cache the full blocks of `tokens[:count]` (whose KV rows `rows_of(start, stop)`
-        copies); blocks already cached are used (and re-prioritized when `retention` says
-        so). Returns the number of blocks added; it stops at the first block that finds no
-        room. `prompt_len` tells prompt tokens from decoded ones (default: all are prompt)."""
+        copies; `tags`: the sequence's, `Media.tags`); blocks already cached are used (and
+        re-prioritized when `retention` says so). Returns the number of blocks added; it stops
+        at the first block that finds no room. `prompt_len` tells prompt tokens from decoded
+        ones (default: all are prompt)."""
         B, now, parent, added = self.block_size, self.clock(), None, 0
         prompt_len = count if prompt_len is None else prompt_len
         self.sequences += 1
@@ -247,7 +268,8 @@ class PrefixCache:
         stored_parent = None
         for start in range(0, count - B + 1, B):
             span = tuple(int(t) for t in tokens[start:start + B])
-            key = block_key(parent, span)
+            extra = block_tags(tags, start, B)
+            key = block_key(parent, span, extra)
             priority, duration, explicit = self._priority(start, retention, prompt_len)
             block = self.blocks.get(key)
             if block is not None:
@@ -259,12 +281,13 @@ class PrefixCache:
                 nbytes = sum(a.nbytes for a in rows.values())
                 if not self._make_room(nbytes, chain | {parent} if parent else chain):
                     break
+                media = hashlib.sha256(extra).hexdigest() if extra else None
                 block = Block(key, parent, span, rows, nbytes, priority, duration, now,
-                              origin=(self.sequences, start))
+                              origin=(self.sequences, start), media=media)
                 self._add(block)
                 if parent is not None:
                     self.blocks[parent].children += 1
-                stored.append(StoredBlock(key, span, priority))
+                stored.append(StoredBlock(key, span, priority, media))
                 self.stats.stored_blocks += 1
                 added += 1
             chain.add(key)
@@ -303,7 +326,8 @@ class PrefixCache:
     def _add(self, block: Block) -> None:
         self.blocks[block.key] = block
         self.bytes_used += block.nbytes
-        self.by_content.setdefault(content_key(block.tokens), {})[block.key] = None
+        if block.media is None:  # a block of an image is not its ids' rows: no chunk reuse finds it
+            self.by_content.setdefault(content_key(block.tokens), {})[block.key] = None
 
     def use(self, blocks: list[Block], retention: Retention | None = None, prompt_len: int | None = None) -> None:
         """Mark restored blocks used now (their priority clocks restart); with a retention
@@ -365,10 +389,11 @@ class PrefixCache:
     def _remove(self, block: Block) -> None:
         del self.blocks[block.key]
         self.bytes_used -= block.nbytes
-        ck = content_key(block.tokens)
-        self.by_content[ck].pop(block.key, None)
-        if not self.by_content[ck]:
-            del self.by_content[ck]
+        if block.media is None:
+            ck = content_key(block.tokens)
+            self.by_content[ck].pop(block.key, None)
+            if not self.by_content[ck]:
+                del self.by_content[ck]
         if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children -= 1
         self.stats.evicted_blocks += 1

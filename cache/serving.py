@@ -29,6 +29,13 @@ Rules:
   as `placed_tokens` and its rows from the first placed block on are stored for chunk reuse
   only. A session keeps where its rows stop being exact (`ChatSession.exact`): a later turn
   restoring rows past it counts them as placed and stores them for chunk reuse only.
+* A vision-language prompt's image (`media=`, `kvc.runtime.embeddings.Media`) keys the rows
+  it touches: prefix blocks and a session's rows are restored only where the ids, the image
+  and the mRoPE positions all agree (`Media.tags`). A model that reads `token_type_ids`
+  computes an image both ways only in a call over no past, so it restores rows only when no
+  prefill call after them would compute an image again (`StaticPipeline.keeps`); else the
+  request restores nothing. A request with media reuses no chunks (a chunk store keys rows by
+  ids alone).
 * Everything a request could be refused for is checked before the cache or a session changes.
 * TTFT (`prefill_seconds`) includes looking the blocks up and restoring them; storing blocks
   after the request does not delay its first token and is not in it.
@@ -44,6 +51,7 @@ import numpy as np
 from kvc.cache.chunks import ChunkReuse, plan_chunks, take_rows
 from kvc.cache.prefix import PrefixCache, Retention
 from kvc.errors import UsageError
+from kvc.runtime.embeddings import Media
 from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline
 
 
@@ -53,13 +61,20 @@ class ChatSession:
     tokens: list[int] = field(default_factory=list)  # the sequence whose KV rows are kept
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     exact: int = 0  # its leading rows computed without chunk reuse; the rest are approximate
+    tags: np.ndarray | None = None  # its media's (`Media.tags`), None: text
 
 
-def common_prefix(a, b) -> int:
+def common_prefix(a, b, tags_a: np.ndarray | None = None, tags_b: np.ndarray | None = None) -> int:
+    """The length of the longest common prefix of sequences `a` and `b`: ids, and with them
+    `Media.tags` (None: all 0), equal."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    differ = np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64)
+    if tags_a is not None or tags_b is not None:
+        ta, tb = (np.zeros((n, 4), np.int64) if t is None else t[:n] for t in (tags_a, tags_b))
+        differ |= (ta != tb).any(axis=1)
+    diff = np.flatnonzero(differ)
     return int(diff[0]) if diff.size else n
 
 
@@ -113,7 +128,8 @@ class CachedPipeline:
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, prompt, new_tokens: int, *, retention: Retention | None = None,
-                 session: str | None = None, sampling=None, on_token=None) -> StaticGeneration:
+                 session: str | None = None, sampling=None, on_token=None,
+                 media: Media | None = None) -> StaticGeneration:
         pipe = self.pipeline
         prompt = prompt_array(prompt)
         chat = None
@@ -125,11 +141,19 @@ class CachedPipeline:
         check_fits(pipe, prompt, new_tokens, session)
         if retention is not None:
             retention.check(n)
+        tags = None
+        if media is not None:
+            media.check(n, getattr(pipe.prefill, "embed", None))
+            tags = media.tags(n)
         started = time.perf_counter()  # TTFT includes finding and restoring the rows
         limit = n - 1 if pipe.lengths.chunk else 0  # the last prompt token is always computed
-        blocks = self.cache.lookup(prompt, limit) if self.cache is not None else []
+        blocks = self.cache.lookup(prompt, limit, tags) if self.cache is not None else []
+        if blocks and not pipe.keeps(n, len(blocks) * self.cache.block_size, media):
+            blocks = []
         hit = len(blocks) * (self.cache.block_size if self.cache else 0)
-        lcp = min(common_prefix(chat.tokens, prompt), limit) if chat is not None else 0
+        lcp = min(common_prefix(chat.tokens, prompt, chat.tags, tags), limit) if chat is not None else 0
+        if not pipe.keeps(n, lcp, media):
+            lcp = 0
         if self.cache is not None:
             self.cache.record_lookup(n, hit)
         reuse, after, inherited = 0, None, None  # inherited: where the restored rows stop being exact
@@ -144,7 +168,7 @@ class CachedPipeline:
             self.cache.use(blocks, retention, n)
             reuse, after = hit, blocks[-1].origin
         plan = None
-        if self.chunks is not None and limit:
+        if self.chunks is not None and limit and media is None:
             B = self.cache.block_size
             plan = plan_chunks(self.cache, self.chunks, prompt, -(-reuse // B) * B, pipe.lengths.chunk,
                                {spec.input: spec.seq_axis for spec in pipe.kv}, after)
@@ -152,20 +176,21 @@ class CachedPipeline:
                 self.cache.touch(block)
         restoring = time.perf_counter() - started
         gen = pipe.generate(prompt, new_tokens, reuse=reuse, placed=tuple(plan.placed) if plan else (),
-                            sampling=sampling, on_token=on_token)
+                            sampling=sampling, on_token=on_token, media=media)
         gen.prefill_seconds += restoring
         if inherited is not None:  # a session's rows computed after an earlier turn's placed rows
             gen.placed_tokens += reuse - inherited
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
         exact = min([gen.kv_rows, *(x for x in (inherited, plan.first if plan else None) if x is not None)])
+        kept_tags = None if media is None else media.tags(gen.kv_rows)  # a generated token's: its positions' shift
         if self.cache is not None:
-            self.cache.store(sequence, exact, pipe.copy_rows, retention, n)
-            if exact < gen.kv_rows:
+            self.cache.store(sequence, exact, pipe.copy_rows, retention, n, kept_tags)
+            if exact < gen.kv_rows and media is None:  # a chunk store keys rows by ids alone
                 self.cache.store_approximate(sequence, exact, gen.kv_rows, pipe.copy_rows)
         if chat is not None:
             chat.tokens = [int(t) for t in sequence]
             chat.rows = pipe.copy_rows(0, gen.kv_rows)
-            chat.exact = exact
+            chat.exact, chat.tags = exact, kept_tags
         return gen
 
 

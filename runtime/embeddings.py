@@ -29,6 +29,7 @@ The rules:
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,6 +201,29 @@ class Media:
         """The media's content, hashable: a cache of runs keys on it."""
         return (tuple((start, np.asarray(rows, np.float32).tobytes()) for start, rows in self.spans),
                 None if self.positions is None else np.asarray(self.positions, np.int64).tobytes())
+
+    def tags(self, count: int) -> np.ndarray | None:
+        """What a cache must key on besides the ids of the first `count` tokens of a sequence
+        that begins with this prompt (its generated tokens after it), [count, 4] int64, or None
+        when it is all 0 (the sequence is keyed by its ids alone, as text is):
+
+        * column 0: a digest of the whole span a token lies in (start, extent, rows), 0 outside
+          spans. Every token of an image carries its image's: its rows depend on all of the
+          image (Gemma 3's tokens of an image attend each other both ways), so sequences that
+          differ anywhere in an image differ from its first token on;
+        * columns 1-3: each mRoPE section's position less the token's slot (a generated token's:
+          `shift`), 0 without positions."""
+        tags = np.zeros((count, 4), np.int64)
+        for start, rows in self.spans:
+            rows = np.ascontiguousarray(rows, np.float32)
+            digest = hashlib.sha256(np.asarray([start, *rows.shape], "<i8").tobytes() + rows.tobytes()).digest()
+            tags[start:start + len(rows), 0] = int.from_bytes(digest[:8], "little", signed=True) | 1
+        if self.positions is not None:
+            positions = np.asarray(self.positions, np.int64)
+            n = positions.shape[1]
+            tags[:n, 1:] = (positions - np.arange(n)).T[:count]
+            tags[n:, 1:] = self.shift
+        return tags if tags.any() else None
 
     def extents(self) -> list[list[int]]:
         """[start, rows] of each span: what a run's record says of its images."""

@@ -192,7 +192,7 @@ class StaticPipeline:
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if not C:  # the whole prompt in one call over no past, as a first chunk of P rows is
             calls = [Call(0, n, P, True)]
-        elif media is not None and media.spans and self.prefill.has_input("token_type_ids"):
+        elif not start and media is not None and media.spans and self.prefill.has_input("token_type_ids"):
             calls = media_calls(self.lengths, n, media.end)
         else:
             calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first,
@@ -224,6 +224,19 @@ class StaticPipeline:
             rows.append(logits[size - k:] if logits.shape[0] == size else None)
         prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
+
+    def keeps(self, n: int, reuse: int, media: Media | None) -> bool:
+        """Whether an `n`-token prompt with `media` may restore the rows of its first `reuse`
+        tokens: always, but for a model that reads `token_type_ids`, whose image's tokens
+        attend each other both ways only in a call over no past, and whose prefill would then
+        compute one again over the restored rows (it starts at the chunk multiple below `reuse`
+        where a call cannot start at `reuse`, `prefill_calls`). Such a prompt restores
+        nothing; the first call holds its media (`media_calls`)."""
+        L = self.lengths
+        if not reuse or media is None or not media.spans or not self.prefill.has_input("token_type_ids"):
+            return True
+        return L.chunk > 0 and all(call.begin >= media.end for call in prefill_calls(
+            reuse, n, (), L.prompt, (L.chunk, *L.bulk), L.first, L.first_dynamic))
 
     def check_fits(self, prompt: np.ndarray, new_tokens: int) -> None:
         """Refuse a request the pipeline cannot serve (empty prompt, ids outside the vocabulary,
@@ -306,9 +319,10 @@ class StaticPipeline:
         chunk model's past, at a few calls' cost.
 
         `media`: the rows of the prompt's media tokens and its positions (`Media`: a
-        vision-language model's image); such a prompt runs whole, from position 0 (its rows
-        are no prefix cache's or chunk store's to reuse: an image's tokens share one id), and
-        for a model that reads `token_type_ids` its first call holds its media."""
+        vision-language model's image). Such a prompt starts at position 0 and places no rows
+        (a chunk store keys rows by ids alone, and an image's tokens share one id); it may
+        restore rows (`reuse`: a prefix cache keys them by the media too, `Media.tags`) where
+        `keeps` says. For a model that reads `token_type_ids` its first call holds its media."""
         try:
             prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         except (OverflowError, ValueError, TypeError):
@@ -322,10 +336,14 @@ class StaticPipeline:
         n = len(prompt)
         self.check_fits(prompt, new_tokens)
         if media is not None:
-            if reuse or placed or origin:
-                raise UsageError("a prompt with media runs whole from position 0: its rows cannot be restored, "
-                                 "placed or started past position 0")
+            if placed or origin:
+                raise UsageError("a prompt with media starts at position 0 and places no rows (a chunk store "
+                                 "keys rows by their ids alone)")
             media.check(n, getattr(self.prefill, "embed", None))
+            if reuse and not self.keeps(n, reuse, media):
+                raise UsageError(f"the rows of the first {reuse} tokens cannot be restored: a prefill call after "
+                                 f"them computes the image ending at {media.end} again over a past, where this "
+                                 f"model attends an image's tokens causally (token_type_ids)")
         if reuse and not 0 < reuse < n:
             raise UsageError(f"cannot reuse the KV rows of {reuse} tokens of a {n}-token prompt: at least "
                              f"the last prompt token must be computed")

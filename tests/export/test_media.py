@@ -207,11 +207,8 @@ def test_positions_for_a_model_without_mrope_are_refused(compiled, tmp_path):
     assert re.search(message, result.output), result.output
 
 
-def test_media_with_restored_rows_or_a_text_model_are_refused(compiled, tmp_path):
+def test_media_for_a_text_model_are_refused(compiled, tmp_path):
     prompt, media = _image(12, 2, 2, 3, sections=False)
-    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
-    with pytest.raises(UsageError, match="a prompt with media runs whole from position 0"):
-        pipe.generate(prompt, 2, media=media, reuse=4)
     kvc("compile", fixtures.path("llama"), "-o", tmp_path / "llama", "--max-prompt-len", "64",
         "--min-response-len", "64", "--no-verify")
     with pytest.raises(UsageError, match="media rows need a model that takes inputs_embeds"):
@@ -311,3 +308,107 @@ def test_an_image_fault_in_the_large_first_chunk_alone_is_refused(tmp_path, monk
                  "bf16", code=4)
     assert applied.edits
     assert "prompt of 22 tokens with an image of 6 rows at position 12" in result.output
+
+
+def _layout(n: int, start: int, rows: np.ndarray, cols: int, sections: bool) -> Media:
+    """An image of `rows` (a grid of `cols` columns) at `start` in an n-token prompt, with
+    mRoPE's positions when `sections` (as `_image` lays them out)."""
+    positions = None
+    if sections:
+        m = len(rows)
+        positions = np.repeat(np.arange(n)[None], 3, axis=0)
+        grid = np.arange(m)
+        positions[:, start:start + m] = start + np.stack([0 * grid, grid // cols, grid % cols])
+        positions[:, start + m:] = positions[:, :start + m].max() + 1 + np.arange(n - start - m)
+    return Media(((start, rows),), positions)
+
+
+def _served(compiled, name, **cache):
+    from kvc.cache.prefix import PrefixCache
+    from kvc.cache.serving import CachedPipeline
+
+    return CachedPipeline(open_compiled(compiled[name, "CPU"], "numpy"), PrefixCache(block_size=32, **cache))
+
+
+def _same_as_plain(compiled, name, got, prompt, media, what):
+    plain = open_compiled(compiled[name, "CPU"], "numpy").generate(prompt, len(got.tokens), media=media)
+    assert got.tokens == plain.tokens, what
+    assert max(np.abs(a - b).max() for a, b in zip(got.logits, plain.logits)) < 2e-5, what
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_the_prefix_cache_restores_an_image_only_where_ids_rows_and_positions_agree(compiled, name):
+    """A block's key holds the images and mRoPE positions of its tokens (`Media.tags`): the same
+    ids with another image, no image or other positions restore nothing from a block an image
+    touched, the same image restores it, and text blocks before an image are shared with text
+    prompts. Gemma 3 (token_type_ids) restores no rows a prefill call after them would compute
+    an image again over: its image must lie in its first call. Every run gives the tokens of
+    the same prompt without the cache."""
+    sections = name == "qwen2_5_vl"
+    rng = np.random.default_rng(5)
+    rows, other = (rng.standard_normal((6, WIDTH)).astype(np.float32) for _ in range(2))
+    a = rng.integers(1, 300, 70)
+    b = np.concatenate([a[:64], rng.integers(1, 300, 20)])
+    text = rng.integers(1, 300, 70)
+    typed = name == "gemma3"
+    cases = [
+        ("an image's prompt", a, _layout(70, 2, rows, 3, sections), 0),
+        ("the same image, other text after two blocks", b, _layout(84, 2, rows, 3, sections), 64),
+        ("the same ids, another image", b, _layout(84, 2, other, 3, sections), 0),
+        ("the same ids as text", b, None, 0),
+        ("a text prompt", text, None, 0),
+        ("its first block, then an image in the second", np.concatenate([text[:40], a[40:]]),
+         _layout(70, 40, rows, 3, sections), 0 if typed else 32),
+    ]
+    if sections:
+        cases.insert(3, ("the same ids and rows, a 3 x 2 grid", b, _layout(84, 2, rows, 2, True), 0))
+    served = _served(compiled, name, event_buffer_size=64)
+    for what, prompt, media, hit in cases:
+        got = served.generate(prompt, 3, media=media)
+        assert got.cached_tokens == hit, (what, got.cached_tokens)
+        _same_as_plain(compiled, name, got, prompt, media, what)
+    stored = [block for event in served.cache.get_latest_events() if event.type == "stored" for block in event.blocks]
+    keyed = [block.to_dict().get("media_key") is not None for block in stored]
+    assert keyed[:2] == [True, bool(sections)] and not any(
+        served.cache.blocks[block.block_hash].media for block in stored if not block.to_dict().get("media_key"))
+    assert all(served.cache.blocks[k].media is None for keys in served.cache.by_content.values() for k in keys)
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_a_chat_session_keeps_an_images_rows_across_turns(compiled, name):
+    """A turn whose history holds the image of an earlier turn restores the rows the session
+    kept (generated tokens at their slots + shift for mRoPE); an edit inside the image rolls
+    the session back to where it begins (Gemma 3: to nothing, its image needs the first call).
+    Every turn gives the tokens of its history without the session."""
+    sections = name == "qwen2_5_vl"
+    rng = np.random.default_rng(6)
+    rows = rng.standard_normal((6, WIDTH)).astype(np.float32)
+    prompt = rng.integers(1, 300, 40)
+    media = _layout(40, 2, rows, 3, sections)
+    served = _served(compiled, name)
+    served.start_chat("s")
+    first = served.generate(prompt, 4, session="s", media=media)
+    history = np.concatenate([prompt, first.tokens, rng.integers(1, 300, 20)])
+    positions = None
+    if sections:  # generated and new tokens at their slots + shift, as transformers' get_rope_index lays them
+        tail = np.arange(40, len(history)) + media.shift
+        positions = np.concatenate([media.positions, np.repeat(tail[None], 3, axis=0)], axis=1)
+    turns = [("the image and its answer", Media(media.spans, positions), 43),
+             ("an edit inside the image", Media(((2, rows + 1),), positions), 0 if name == "gemma3" else 2)]
+    for what, turn, cached in turns:
+        got = served.generate(history, 3, session="s", media=turn)
+        assert got.cached_tokens == cached, (what, got.cached_tokens)
+        _same_as_plain(compiled, name, got, history, turn, what)
+
+
+def test_restored_rows_an_image_of_gemma3_would_be_computed_over_are_refused(compiled):
+    """The pipeline itself refuses what a cache must not ask: rows restored before the end of
+    a Gemma 3 image, and placed rows with any image."""
+    prompt, media = _image(12, 2, 2, 3, sections=False)
+    with pytest.raises(UsageError, match=r"the rows of the first 4 tokens cannot be restored: a prefill call after "
+                                         r"them computes the image ending at 8 again over a past"):
+        open_compiled(compiled["gemma3", "CPU"], "numpy").generate(prompt, 2, media=media, reuse=4)
+    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
+    rows = pipe.copy_rows(0, 2)
+    with pytest.raises(UsageError, match="a prompt with media starts at position 0 and places no rows"):
+        pipe.generate(prompt, 2, media=media, placed=((8, rows),))
