@@ -4,6 +4,8 @@
     {"id": "r2", "prompt": "text", "max_new_tokens": 8, "session": "chat-1",
      "retention": [{"start": 0, "end": 64, "priority": 100, "duration_ms": 30000}],
      "decode_priority": 0, "decode_duration_ms": 1000}
+    {"id": "r3", "prompt_ids": [...], "images": [{"start": 2, "rows": "cat.npy"}],
+     "image_positions": "positions.npy"}
     {"finish_session": "chat-1"}
 
 * `id` (string or integer; default: the line number), exactly one of `prompt_ids` (token ids)
@@ -14,6 +16,12 @@
 * `retention`: token ranges of the prompt with a priority 0-100 and an optional duration in
   milliseconds (`end` may be left out: to the end of the prompt); `decode_priority` and
   `decode_duration_ms` for the blocks the decode phase produces.
+* `images` (a vision-language model's): each image's first prompt position and its rows, an
+  f32 .npy [m, H] from the vision encoder; `image_positions`: mRoPE's [3, n] positions of the
+  prompt (Qwen2-VL), an integer .npy. Paths are relative to the requests file; the arrays
+  are read without pickles (`kvc run --image`, `--image-positions`), and checked against
+  the prompt and the model before any request runs. A chat turn gives its whole history's
+  images, as it gives its whole history.
 * Blank lines and lines starting with `#` are skipped. Any other field is an error.
 
 Every problem is a UsageError naming the file and line. Ranges are checked against the
@@ -28,10 +36,12 @@ from pathlib import Path
 
 from kvc.cache.prefix import Retention, TokenRange
 from kvc.errors import UsageError
+from kvc.runtime.embeddings import Media, read_npy
 
 REQUEST_FIELDS = {"id", "prompt_ids", "prompt", "max_new_tokens", "session", "retention", "decode_priority",
-                  "decode_duration_ms"}
+                  "decode_duration_ms", "images", "image_positions"}
 RANGE_FIELDS = {"start", "end", "priority", "duration_ms"}
+IMAGE_FIELDS = {"start", "rows"}
 DEFAULT_NEW_TOKENS = 16
 MAX_LINE = 1 << 24  # 16 MiB: a line longer than any prompt the static pipeline takes
 
@@ -45,6 +55,7 @@ class Request:
     max_new_tokens: int
     session: str | None = None
     retention: Retention | None = None
+    media: Media | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,32 @@ def _retention(obj: dict) -> Retention | None:
     return Retention(tuple(parsed), decode, duration)
 
 
-def parse_line(obj, line: int) -> Request | FinishSession:
+def _media(obj: dict, base: Path) -> Media | None:
+    images = obj.get("images", [])
+    if not isinstance(images, list):
+        raise UsageError("'images' must be a list of {start, rows} objects")
+    spans = []
+    for i, image in enumerate(images):
+        if not isinstance(image, dict) or set(image) != IMAGE_FIELDS:
+            raise UsageError(f"images[{i}] must be an object with exactly 'start' (a prompt position) and 'rows' "
+                             f"(a .npy path), found {json.dumps(image)[:60]}")
+        start = _int(image["start"], f"images[{i}].start", 0)
+        spans.append((start, read_npy(_path(image["rows"], f"images[{i}].rows", base), f"images[{i}].rows")))
+    positions = obj.get("image_positions")
+    if positions is not None:
+        positions = read_npy(_path(positions, "'image_positions'", base), "'image_positions'")
+    if not spans and positions is None:
+        return None
+    return Media(tuple(sorted(spans, key=lambda span: span[0])), positions)
+
+
+def _path(value, what: str, base: Path) -> Path:
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise UsageError(f"{what} must be the path of a .npy file, found {json.dumps(value)[:60]}")
+    return base / value
+
+
+def parse_line(obj, line: int, base: Path = Path(".")) -> Request | FinishSession:
     if not isinstance(obj, dict):
         raise UsageError(f"expected a JSON object, found {type(obj).__name__}")
     if "finish_session" in obj:
@@ -135,11 +171,12 @@ def parse_line(obj, line: int) -> Request | FinishSession:
     if retention is not None and ids is not None:
         retention.check(len(ids))
     rid = _name(obj["id"], "'id'") if "id" in obj else str(line)
-    return Request(line, rid, ids, text, new_tokens, session, retention)
+    return Request(line, rid, ids, text, new_tokens, session, retention, _media(obj, base))
 
 
-def parse_requests(text: str, source: str = "<requests>") -> list[Request | FinishSession]:
-    """Every line of a workload, validated; the first problem is an error naming its line."""
+def parse_requests(text: str, source: str = "<requests>", base: Path = Path(".")) -> list[Request | FinishSession]:
+    """Every line of a workload, validated; the first problem is an error naming its line.
+    `base`: the directory image paths are relative to."""
     entries, ids = [], {}
     for number, raw in enumerate(text.split("\n"), 1):  # JSON Lines: only \n ends a line (U+2028 may be in a string)
         stripped = raw.strip()
@@ -152,7 +189,7 @@ def parse_requests(text: str, source: str = "<requests>") -> list[Request | Fini
                 obj = json.loads(stripped, parse_constant=_no_constant, object_pairs_hook=_unique_fields)
             except (ValueError, RecursionError) as exc:
                 raise UsageError(f"not JSON: {str(exc)[:200]}") from None
-            entry = parse_line(obj, number)
+            entry = parse_line(obj, number, base)
             if isinstance(entry, Request):
                 if entry.id in ids:
                     given, line = ids[entry.id]
@@ -194,4 +231,4 @@ def read_requests(path: str | Path) -> list[Request | FinishSession]:
     except UnicodeDecodeError as exc:
         line, column = data.count(b"\n", 0, exc.start) + 1, exc.start - data.rfind(b"\n", 0, exc.start)
         raise UsageError(f"{path}:{line}: not UTF-8: byte 0x{data[exc.start]:02x} at column {column}") from None
-    return parse_requests(text, str(path))
+    return parse_requests(text, str(path), Path(path).parent)

@@ -143,7 +143,7 @@ class CachedPipeline:
             retention.check(n)
         tags = None
         if media is not None:
-            media.check(n, getattr(pipe.prefill, "embed", None))
+            pipe.check_media(n, media)
             tags = media.tags(n)
         started = time.perf_counter()  # TTFT includes finding and restoring the rows
         limit = n - 1 if pipe.lengths.chunk else 0  # the last prompt token is always computed
@@ -213,7 +213,7 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
             if entry.session is not None and entry.session not in pipe.sessions:
                 pipe.start_chat(entry.session)
             gen = pipe.generate(ids, entry.max_new_tokens, retention=entry.retention, session=entry.session,
-                                sampling=sampling)
+                                sampling=sampling, media=entry.media)
         except UsageError as exc:
             raise type(exc)(f"{source}:{entry.line}: {_what(entry)}: {exc}") from None
         m = gen.metrics()
@@ -221,7 +221,8 @@ def replay(pipe: CachedPipeline, entries, encode=None, source: str = "<requests>
                   "cached_tokens": gen.cached_tokens, "approximate_tokens": gen.placed_tokens, "tokens": gen.tokens,
                   "finish_reason": gen.finish_reason,
                   "ttft_ms": m["ttft_ms"],
-                  "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"]}
+                  "tpot_ms": m["tpot_ms"]["mean"] if m["tpot_ms"] else None, "variants": m["variants"],
+                  **({} if entry.media is None else {"images": entry.media.extents()})}
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -239,7 +240,8 @@ def preflight(pipe: CachedPipeline, entries, encode=None, source: str = "<reques
     will run it, before any runs: a text prompt needs a tokenizer; the prompt must fit the
     pipeline (`StaticPipeline.check_fits`: ids in the vocabulary, at most P tokens, the new
     tokens within the capacity; a session's turn is its whole history); retention ranges
-    inside the prompt; `finish_session` of a session open at that line. A workload that
+    inside the prompt; images that fit the prompt and the model (`StaticPipeline.check_media`);
+    `finish_session` of a session open at that line. A workload that
     failed at its seventh request used to have run six, with no events file written and no
     table printed."""
     from kvc.cache.requests import FinishSession
@@ -263,6 +265,8 @@ def preflight(pipe: CachedPipeline, entries, encode=None, source: str = "<reques
             check_fits(pipe.pipeline, prompt, entry.max_new_tokens, entry.session)
             if entry.retention is not None:
                 entry.retention.check(len(prompt))
+            if entry.media is not None:
+                pipe.pipeline.check_media(len(prompt), entry.media)
             if entry.session is not None:
                 open_sessions.add(entry.session)
             prompts.append(ids)

@@ -177,7 +177,7 @@ def read_media(images: tuple[str, ...], positions: Path | None):
     """`--image START:ROWS.npy` ... and `--image-positions POSITIONS.npy` as a `Media` (None
     without them). A .npy is read without pickles; what it holds is checked against the prompt
     when the pipeline runs it (`Media.check`)."""
-    from kvc.runtime.embeddings import Media
+    from kvc.runtime.embeddings import Media, read_npy
 
     if not images and positions is None:
         return None
@@ -186,24 +186,9 @@ def read_media(images: tuple[str, ...], positions: Path | None):
         start, sep, path = image.partition(":")
         if not sep or not (start.isascii() and start.isdigit()):
             raise UsageError(f"--image {image!r}: expected START:ROWS.npy (START the prompt position of its first row)")
-        spans.append((int(start), _npy(Path(path), "--image")))
+        spans.append((int(start), read_npy(Path(path), "--image")))
     return Media(tuple(sorted(spans, key=lambda span: span[0])),
-                 None if positions is None else _npy(positions, "--image-positions"))
-
-
-def _npy(path: Path, option: str):
-    import numpy as np
-
-    if not path.is_file():  # a FIFO would block the read, a directory fail it obscurely
-        raise UsageError(f"{option} {path}: " + ("not a regular file" if path.exists() else "no such file"))
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise UsageError(f"{option} {path}: not a NumPy .npy array without pickles ({exc})") from None
-    if not isinstance(array, np.ndarray):  # an .npz archive
-        array.close()
-        raise UsageError(f"{option} {path}: an .npz archive; give one array as a .npy")
-    return array
+                 None if positions is None else read_npy(positions, "--image-positions"))
 
 
 def default_backend(out: Path) -> str:

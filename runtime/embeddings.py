@@ -242,6 +242,21 @@ class Media:
         return int(np.max(self.positions)) + 1 - np.shape(self.positions)[1]
 
 
+def read_npy(path: Path, what: str) -> np.ndarray:
+    """The array of a .npy file a user names (`what` says where: `--image`, a requests line's
+    field), read without pickles; a FIFO, a directory or an .npz archive is refused by name."""
+    if not path.is_file():  # a FIFO would block the read, a directory fail it obscurely
+        raise UsageError(f"{what} {path}: " + ("not a regular file" if path.exists() else "no such file"))
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise UsageError(f"{what} {path}: not a NumPy .npy array without pickles ({exc})") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        array.close()
+        raise UsageError(f"{what} {path}: an .npz archive; give one array as a .npy")
+    return array
+
+
 def token_feed(session, ids: np.ndarray, media: Media | None = None, at: np.ndarray | None = None,
                ) -> dict[str, np.ndarray]:
     """The token inputs of one step of `session` (the caller keeps those it has): `input_ids`,

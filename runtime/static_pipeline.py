@@ -225,6 +225,14 @@ class StaticPipeline:
         prompt_logits = None if skip or any(r is None for r in rows) else np.concatenate(rows)
         return logits[-1], prompt_logits
 
+    def check_media(self, n: int, media: Media) -> None:
+        """Refuse `media` this pipeline cannot run with an `n`-token prompt: media that do not
+        fit the prompt or the model (`Media.check`), or, for a model that reads
+        `token_type_ids`, media no first prefill call holds (`media_calls`)."""
+        media.check(n, getattr(self.prefill, "embed", None))
+        if media.spans and self.lengths.chunk and self.prefill.has_input("token_type_ids"):
+            media_calls(self.lengths, n, media.end)
+
     def keeps(self, n: int, reuse: int, media: Media | None) -> bool:
         """Whether an `n`-token prompt with `media` may restore the rows of its first `reuse`
         tokens: always, but for a model that reads `token_type_ids`, whose image's tokens
@@ -339,7 +347,7 @@ class StaticPipeline:
             if placed or origin:
                 raise UsageError("a prompt with media starts at position 0 and places no rows (a chunk store "
                                  "keys rows by their ids alone)")
-            media.check(n, getattr(self.prefill, "embed", None))
+            self.check_media(n, media)
             if reuse and not self.keeps(n, reuse, media):
                 raise UsageError(f"the rows of the first {reuse} tokens cannot be restored: a prefill call after "
                                  f"them computes the image ending at {media.end} again over a past, where this "

@@ -412,3 +412,71 @@ def test_restored_rows_an_image_of_gemma3_would_be_computed_over_are_refused(com
     rows = pipe.copy_rows(0, 2)
     with pytest.raises(UsageError, match="a prompt with media starts at position 0 and places no rows"):
         pipe.generate(prompt, 2, media=media, placed=((8, rows),))
+
+
+def test_a_requests_workload_carries_images(compiled, tmp_path):
+    """`kvc run --requests` takes `images` and `image_positions` (.npy paths relative to the
+    file): a second request with the same image restores its blocks, a chat turn its session's
+    rows, each with the tokens of its prompt run alone; the stored events name the image's
+    blocks (`media_key`)."""
+    import json
+
+    rng = np.random.default_rng(7)
+    np.save(tmp_path / "cat.npy", rng.standard_normal((6, WIDTH)).astype(np.float32))
+    a = [int(t) for t in rng.integers(1, 300, 70)]
+    b = a[:64] + [int(t) for t in rng.integers(1, 300, 10)]
+    image = [{"start": 2, "rows": "cat.npy"}]
+    lines = [{"id": "a", "prompt_ids": a, "images": image, "max_new_tokens": 3},
+             {"id": "b", "prompt_ids": b, "images": image, "max_new_tokens": 3},
+             {"id": "t", "prompt_ids": b, "max_new_tokens": 3}]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = kvc("run", compiled["llava", "CPU"], "--requests", tmp_path / "w.jsonl", "--prefix-cache", "--backend",
+                 "numpy", "--events", tmp_path / "ev.jsonl", "--json")
+    runs = json.loads(result.output)["requests"]
+    assert [r["cached_tokens"] for r in runs] == [0, 64, 0]
+    assert [r.get("images") for r in runs] == [[[2, 6]], [[2, 6]], None]
+    pipe = open_compiled(compiled["llava", "CPU"], "numpy")
+    rows = np.load(tmp_path / "cat.npy")
+    for run, prompt, media in zip(runs, (a, b, b), (Media(((2, rows),)), Media(((2, rows),)), None)):
+        assert run["tokens"] == pipe.generate(prompt, 3, media=media).tokens, run["id"]
+    events = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    blocks = [block for e in events if e["type"] == "stored" for block in e["blocks"]]
+    assert ["media_key" in block for block in blocks] == [True, False, False, False]  # a's two blocks, then t's
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"images": {"start": 2}}, "'images' must be a list of {start, rows} objects"),
+    ({"images": [{"start": 2}]}, r"images\[0\] must be an object with exactly 'start' .* and 'rows'"),
+    ({"images": [{"start": -1, "rows": "cat.npy"}]}, r"images\[0\].start must be an integer from 0"),
+    ({"images": [{"start": 2, "rows": "nope.npy"}]}, r"images\[0\].rows .*nope.npy: no such file"),
+    ({"images": [{"start": 2, "rows": "pickled.npy"}]}, "not a NumPy .npy array without pickles"),
+    ({"images": [{"start": 2, "rows": 7}]}, r"images\[0\].rows must be the path of a .npy file, found 7"),
+    ({"images": [{"start": 10, "rows": "cat.npy"}]}, r"media span \[10, 16\) must .* lie within the 12-token prompt"),
+    ({"image_positions": "cat.npy"}, r"media positions are mRoPE's \[3, n\]"),
+])
+def test_a_requests_workload_refuses_an_image_it_cannot_use(compiled, tmp_path, line, message):
+    """Every image of a workload is read and checked before any request runs: the error names
+    the line, exit 2, and nothing is written."""
+    import json
+
+    np.save(tmp_path / "cat.npy", np.zeros((6, WIDTH), np.float32))
+    np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    lines = [{"prompt_ids": list(range(1, 13))}, {"prompt_ids": list(range(1, 13)), **line}]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = kvc("run", compiled["llava", "CPU"], "--requests", tmp_path / "w.jsonl", "--prefix-cache", "--events",
+                 tmp_path / "ev.jsonl", code=2)
+    assert re.search(r"w.jsonl:2: .*" + message, result.output), result.output
+    assert not (tmp_path / "ev.jsonl").exists()
+
+
+def test_a_gemma3_image_no_first_call_holds_is_refused_before_the_workload_runs(compiled, tmp_path):
+    import json
+
+    np.save(tmp_path / "cat.npy", np.zeros((6, WIDTH), np.float32))
+    lines = [{"prompt_ids": list(range(1, 13))},
+             {"prompt_ids": list(range(1, 121)), "images": [{"start": 100, "rows": "cat.npy"}]}]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = kvc("run", compiled["gemma3", "CPU"], "--requests", tmp_path / "w.jsonl", "--prefix-cache", "--events",
+                 tmp_path / "ev.jsonl", code=2)
+    assert re.search(r"w.jsonl:2: request '2': .*the media end at position 106: no first prefill chunk", result.output)
+    assert not (tmp_path / "ev.jsonl").exists()
