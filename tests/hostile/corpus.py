@@ -551,6 +551,17 @@ def build(tmp: Path) -> list[Case]:
             ("image-fifo.npy", "not a regular file")),
         Run("run-text-model", runv + ["--prompt-ids", "1,2,3", "--image", f"0:{tmp / 'image-rows.npy'}"], USAGE,
             ("media rows need a model that takes inputs_embeds",))])
+    for name, image in (("fifo", "image-fifo.npy"), ("pickled", "image-pickled.npy"), ("rows", "image-rows.npy")):
+        (tmp / f"requests-image-{name}.jsonl").write_text(
+            '{"prompt_ids": [1, 2, 3], "max_new_tokens": 2, "images": [{"start": 0, "rows": "%s"}]}\n' % image)
+    cli_case("requests-image-hostile", "kvc run --requests with an image: a FIFO, a pickled .npy, rows for a model "
+             "that takes ids", [
+        Run("requests-fifo", runv + ["--requests", str(tmp / "requests-image-fifo.jsonl")], USAGE,
+            ("requests-image-fifo.jsonl:1", "image-fifo.npy", "not a regular file")),
+        Run("requests-pickled", runv + ["--requests", str(tmp / "requests-image-pickled.jsonl")], USAGE,
+            ("requests-image-pickled.jsonl:1", "without pickles")),
+        Run("requests-text-model", runv + ["--requests", str(tmp / "requests-image-rows.jsonl")], USAGE,
+            ("requests-image-rows.jsonl:1", "media rows need a model that takes inputs_embeds"))])
     cli_case("bisect-prompt-out-of-vocab", "kvc bisect with a token id past the vocabulary", [
         Run("bisect", ["bisect", "{fixture}", *SMALL, "--prompt-ids", "1,99999999"], USAGE, ("99999999",))])
 
