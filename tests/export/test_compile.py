@@ -323,14 +323,17 @@ def test_compile_verification_reads_the_bulk_prefill_past(tmp_path, monkeypatch)
 def test_the_first_chunks_probe_checks_the_chunk_over_a_past(tmp_path, monkeypatch):
     """With a first chunk F and a bulk chunk B (the CPU's default form) the probes from position
     0 are 7 and F + B + 9 tokens, no separate C + 9: the long one runs the chunk C over the
-    first chunk's rows, so a chunk model that misreads its past is still caught there. The far
-    probes follow: the chunk's and the bulk chunk's last calls (each from P - size - C) and the
-    generate variant's last two positions, decoded."""
+    first chunk's rows, so a chunk model that misreads its past is still caught there. The pad
+    probes follow, each model with the fewest tokens the runtime gives it (the bulk chunk 33
+    from P - 64, the first chunk 33, the chunk 1 from P - 16), then the far probes: the chunk's
+    and the bulk chunk's last calls (each from P - size - C) and the generate variant's last
+    two positions, decoded."""
     from kvc.verify.compiled import probe_cases
 
     options = StaticOptions(max_prompt_len=256, min_response_len=64, prefill_chunk_size=(16, 64), prefill_first=(64,))
     assert [(len(p.prompt), p.origin, p.decode) for p in probe_cases(options.lengths(), 1000)] == [
-        (7, 0, False), (137, 0, False), (32, 224, False), (80, 176, False), (1, 318, True), (1, 318, True)]
+        (7, 0, False), (137, 0, False), (33, 192, False), (33, 0, False), (1, 240, False), (32, 224, False),
+        (80, 176, False), (1, 318, True), (1, 318, True)]
     _fault_in(monkeypatch, "prefill", HalvePastValues())
     with pytest.raises(VerificationError, match="prompt of 137 tokens"):
         compile_to(fixtures.path("llama"), tmp_path / "out", CompileOptions(options))

@@ -294,6 +294,59 @@ def chunk_mrope_sections_collapsed(name, model):
 
 
 @mutant
+def chunk_pad_slot_attended(name, model):
+    """the chunk prefill model: every row attends the slot 9 before the end of its mask
+    (column P - 9) whatever the mask says (an unmask-pad-rows that unmasked one fixed slot for
+    every row, not each pad row its own slot). That slot is a valid row unless the call holds 8
+    tokens or fewer: only prompts whose last chunk call holds 1 to 8 tokens are wrong. The
+    compile's probes are C + 9, B + 9, F + B + 9 tokens: their partial chunk holds 9."""
+    m = port(model, "attention_mask")
+    if name != "prefill" or m is None or m.get_partial_shape()[1].get_length() <= chunk_of(model):
+        return 0
+    P = m.get_partial_shape()[1].get_length()
+    row = np.zeros((1, P), np.int64)
+    row[0, P - 9] = 1
+    return reroute(m, lambda x: ops.maximum(x, i64(row)))
+
+
+@mutant
+def large_first_pad_row_attended(name, model):
+    """a first chunk of 64 static rows or more: its first slot (a pad row of every shorter
+    prompt) attended by every row. At the CPU's bf16 default the first chunk of 128 runs
+    prompts of 65 to 128 tokens; the probes ran it on 128 only."""
+    m = port(model, "attention_mask")
+    if not name.startswith("first-") or m is None or not m.get_partial_shape()[1].is_static \
+            or m.get_partial_shape()[1].get_length() < 64:
+        return 0
+    row = np.zeros((1, m.get_partial_shape()[1].get_length()), np.int64)
+    row[0, 0] = 1
+    return reroute(m, lambda x: ops.maximum(x, i64(row)))
+
+
+@mutant
+def first_dynamic_rows_8_up(name, model):
+    """a first chunk of dynamic rows: its token rows read 1% too large when the call holds 8
+    rows or more but fewer than F (what a kernel chosen by the row count would do wrong; the
+    compile's probes feed it 7 rows and F rows, `kvc verify`'s 1 and F)."""
+    if not name.startswith("first-"):
+        return 0
+    ids = port(model, "input_ids")
+    if ids is None or ids.get_partial_shape()[1].is_static:
+        return 0
+    F = int(name.split("-")[1])
+    rows = ops.gather(ops.shape_of(ids, "i64"), i64(1), i64(0))
+    inside = ops.logical_and(ops.greater_equal(rows, i64(8)), ops.less(rows, i64(F)))
+    factor = ops.add(ops.constant(np.float32(1)), ops.multiply(ops.convert(inside, "f32"), ops.constant(np.float32(0.01))))
+    n = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "Gather" and op.input_value(1).get_node().get_type_name() in ("Convert", "Parameter") \
+                and op.get_output_element_type(0).get_type_name() == "f32" and len(op.get_output_partial_shape(0)) == 3:
+            n += reroute(op.output(0), lambda x: ops.multiply(x, factor))
+            break
+    return n
+
+
+@mutant
 def window_off_by_one(name, model):
     """every model: the sliding window's comparison one token short (kv > q - W + 1; Gemma 3's
     (q - kv) >= W as (q - kv) >= W - 1)."""
@@ -696,3 +749,4 @@ def apply(name: str, setattr_, setenv, where: str = "ir") -> Applied:
     else:
         raise ValueError(f"where: 'ir' or 'blob', not {where!r}")
     return applied
+

@@ -27,7 +27,12 @@ CHUNKS = {"chunk_past_beyond_C_ignored": ("--prefill-chunk-size", "16"),
           "chunk_past_middle_masked": ("--prefill-chunk-size", "16"),
           # the NPU's default prefill: the prompt at once
           "prefill_positions_clamped_33": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
-          "prefill_pad_row_attended": ("--prefill-chunk-size", "0", "--prefill-first", "0")}
+          "prefill_pad_row_attended": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
+          # a first chunk of 64 static rows, one of dynamic rows, whatever the host's default
+          "large_first_pad_row_attended": ("--max-prompt-len", "256", "--prefill-chunk-size", "16,128",
+                                           "--prefill-first", "16,128", "--prefill-first-rows", "static"),
+          "first_dynamic_rows_8_up": ("--prefill-chunk-size", "16", "--prefill-first", "32", "--prefill-first-rows",
+                                      "dynamic")}
 
 REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_positions_clamped_to_P", "llama", "ir", "CPU", IR_CHECK),
@@ -41,6 +46,11 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("prefill_positions_clamped_33", "llama", "ir", "CPU", IR_CHECK),
     ("prefill_positions_clamped_33", "llama", "blob", "NPU", "the NPU blobs do not reproduce the static IR"),
     ("prefill_pad_row_attended", "llama", "ir", "CPU", IR_CHECK),
+    # calls with more pad rows or other row counts than the probes' lengths gave: published before the pad probes
+    ("chunk_pad_slot_attended", "llama", "ir", "CPU", IR_CHECK),
+    ("chunk_pad_slot_attended", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
+    ("large_first_pad_row_attended", "llama", "ir", "CPU", IR_CHECK),
+    ("first_dynamic_rows_8_up", "llama", "ir", "CPU", IR_CHECK),
     ("window_off_by_one", "mistral", "ir", "CPU", IR_CHECK),
     ("window_off_by_one", "gemma3", "ir", "CPU", IR_CHECK),  # (q - kv) >= W over a difference
     ("gen_positions_clamped_to_P", "qwen2_5_vl", "ir", "CPU", IR_CHECK),  # 3-D position_ids
