@@ -36,7 +36,7 @@ _STATEFUL = {"ReadValue", "Assign"}
 # to f16 in between), so kvc computes such a subgraph in f32 too.
 _DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape", "Transpose", "Unsqueeze", "Squeeze"}
 _LOW_BIT = {"u8", "i8", "u4", "i4", "u2", "u1"}
-_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+_F16, _F32, _I8 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int8)
 
 
 def decompression_nodes(model: ov.Model) -> set:
@@ -81,9 +81,32 @@ def _in_f32(spec, bf16: bool = False):
 
 def input_dtype(port: ov.Output, widen: bool = False) -> np.dtype:
     """The array type an input port takes on kvc's interpreter: its element type's (`to_dtype`),
-    f32 for f16 ones when the interpreter `widen`s."""
+    f32 for f16 and i8 ones when the interpreter `widen`s (an int8 KV cache's inputs are its
+    only i8 ports)."""
     want = to_dtype(port.get_element_type())
-    return _F32 if widen and want == _F16 else want
+    return _F32 if widen and want in (_F16, _I8) else want
+
+
+def int8_quantizers(model: ov.Model) -> set:
+    """The nodes that round an int8 KV cache's outputs (kv-io: Round, Clamp to +-127 and the
+    Convert to i8 before each i8 Result), which a widened interpreter passes through."""
+    found = set()
+    for result in model.get_results():
+        node = result.input_value(0).get_node()
+        if node.get_type_name() != "Convert" or node.get_output_element_type(0) != ov.Type.i8:
+            continue
+        found.add(node)
+        node = node.input_value(0).get_node()
+        if node.get_type_name() == "Clamp":
+            found.add(node)
+            node = node.input_value(0).get_node()
+        if node.get_type_name() == "Round":
+            found.add(node)
+    return found
+
+
+def _unrounded(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32)
 
 
 # Folding a constant subgraph whose result is larger than this would copy weights for
@@ -168,10 +191,12 @@ class Interpreter:
     """A prepared model; `run` evaluates it, `state` holds its variables between runs."""
 
     def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False):
-        """`widen`: compute every f16 and bf16 value at f32, unrounded, inputs included: the
-        exact twin of a static model whose KV cache is stored at f16 or bf16 (kv-io's Converts
-        at its boundary round nothing), which the compile's check runs against the source at
-        f32 with the exact rules (kvc.verify.compiled.ir_generations)."""
+        """`widen`: compute every f16 and bf16 value at f32, unrounded, inputs included, and
+        an int8 cache's values unrounded too (`int8_quantizers` pass their input through as
+        f32; its i8 inputs take f32, which the dequantization reads back exactly): the exact
+        twin of a static model whose KV cache is stored at f16, bf16 or int8 (kv-io's
+        conversions at its boundary round nothing), which the compile's check runs against
+        the source at f32 with the exact rules (kvc.verify.compiled.ir_generations)."""
         load_all()
         check_supported(model)
         self.model = model
@@ -197,6 +222,7 @@ class Interpreter:
             return tuple(out)
 
         in_f32 = decompression_nodes(self.model)
+        unrounded = int8_quantizers(self.model) if self.widen else set()
         for node in ops:
             tname = node.get_type_name()
             ins = tuple(slot[(i.get_source_output().get_node(), i.get_source_output().get_index())]
@@ -215,6 +241,8 @@ class Interpreter:
             elif tname == "Assign":
                 new_slots(node)
                 steps.append((self._assign(node), ins, (), node))
+            elif node in unrounded:
+                steps.append((_unrounded, ins, new_slots(node), node))
             else:
                 spec = spec_of(node)
                 if self.widen or node in in_f32:
