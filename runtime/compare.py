@@ -237,6 +237,14 @@ ROUNDED_CACHE_NRMSE = {"f16": 1e-3, "bf16": 5e-3}
 ROUNDED_CACHE_STEP = {"f16": 0.01, "bf16": 0.05}
 
 
+def same_quantization(kv_element_types, selects: bool, backend: str, config: dict | None) -> bool:
+    """Whether runs on `backend` with `config` are judged against the IR run over the same int8
+    cache (`kvc.verify.compiled.judge_same_quantization`) rather than the widened IR: f32
+    arithmetic over an int8 cache, in a graph that does not select (a router a moved value
+    turns to another expert moves a whole token: int8's fixed bounds stay its own)."""
+    return int8_kv(kv_element_types) and not selects and not reduced_arithmetic(backend, config)
+
+
 def rounded_cache_only(kv_element_types, backend: str, config: dict | None) -> bool:
     """Whether only a cache stored at f16 or bf16 moves a run: f32 arithmetic (kvc's NPU blobs on
     NPUW's CPU backend, exact CPU blobs) over a rounded cache, not int8."""

@@ -11,6 +11,8 @@ bound (kvc.runtime.compare, kvc.verify.cache_rows) over every probe, with where 
 * cpu-f16: the same with an f16 cache;
 * cpu-i8: the same with an int8 cache;
 * cpu-f32-f16, cpu-f32-bf16: exact (f32) CPU blobs over an f16 or bf16 cache;
+* cpu-f32-i8, npu-i8: exact CPU blobs and the NPU's over an int8 cache (judged against the IR
+  over the same int8 cache: kvc.runtime.compare.same_quantization);
 * npu: the NPU's defaults (unchunked prefill, f16 cache; NPUW on its CPU backend).
 
 The numpy rows are kvc's interpreter (f32 arithmetic; over an f16 or bf16 cache widened, the
@@ -18,7 +20,9 @@ cache unrounded, as the compile runs it: kvc.verify.compiled.widens) against the
 OpenVINO CPU f32; with --rounded the cache is rounded to its type as stored (how the check ran
 before widening: docs/verification.md). The blob rows are the blobs against the IR; blobs
 computing below f32 also against the plugin's own run of the source (`<metric> / peer`, the
-ratios kvc.verify.peer_drift bounds by PEER_FACTOR; the noise's only where a token differs). A
+ratios kvc.verify.peer_drift bounds by PEER_FACTOR; the noise's only where a token differs); blobs
+over an int8 cache in f32 arithmetic against int8's own rounding (`<metric> / rounding`, which
+kvc.verify.compiled.judge_same_quantization bounds at 1 above the peer floors). A
 bound is worth what this shows: set from the worst measured here, with room, and shown to
 refuse a fault.
 """
@@ -36,11 +40,15 @@ FORMS = {  # name: (the static options given, the devices, the CPU blobs' precis
     "cpu-i8": ({"kv_precision": "i8"}, ("CPU",), "auto"),
     "cpu-f32-f16": ({"kv_precision": "f16"}, ("CPU",), "f32"),
     "cpu-f32-bf16": ({"kv_precision": "bf16"}, ("CPU",), "f32"),
+    "cpu-f32-i8": ({"kv_precision": "i8"}, ("CPU",), "f32"),
+    "npu-i8": ({"kv_precision": "i8"}, ("NPU",), "auto"),
     "npu": ({}, ("NPU",), "auto"),
 }
 METRICS = ("nrmse", "step_error", "cache_error")
 # Blobs judged by the plugin's own drift (kvc.verify.peer_drift): how far they are from it.
 PEER_RATIOS = ("nrmse", "step_error", "cache_error", "noise")  # each beside its `peer_` twin in a row
+# Blobs over an int8 cache judged by its own rounding (kvc.verify.compiled.judge_same_quantization).
+ROUNDING_RATIOS = ("nrmse", "step_error")  # each beside its `rounding_` twin
 
 
 def main() -> int:
@@ -78,8 +86,9 @@ def main() -> int:
             for engine, row in rows:
                 where = f"{name} prompt {row['prompt_tokens']}" + (
                     f" from {row['from_position']}" if row.get("from_position") else "")
-                ratios = {f"{m} / peer": row[m] / max(row[f"peer_{m}"], 1e-12) for m in PEER_RATIOS
-                          if row.get(m) is not None and row.get(f"peer_{m}") is not None}
+                ratios = {f"{m} / {twin}": row[m] / max(row[f"{twin}_{m}"], 1e-12)
+                          for twin, metrics in (("peer", PEER_RATIOS), ("rounding", ROUNDING_RATIOS)) for m in metrics
+                          if row.get(m) is not None and row.get(f"{twin}_{m}") is not None}
                 for metric in (*METRICS, *ratios):
                     value = ratios[metric] if metric in ratios else row.get(metric)
                     key = (form, engine, metric)

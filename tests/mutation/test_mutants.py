@@ -34,7 +34,9 @@ CHUNKS = {"chunk_past_beyond_C_ignored": ("--prefill-chunk-size", "16"),
           "first_dynamic_rows_8_up": ("--prefill-chunk-size", "16", "--prefill-first", "32", "--prefill-first-rows",
                                       "dynamic"),
           # an int8 cache, whose IR check runs widened and exact since 2026-11-29
-          "gen_o_proj_1e1": ("--kv-precision", "int8")}
+          "gen_o_proj_1e1": ("--kv-precision", "int8"),
+          # exact blobs over an int8 cache: judged against the IR over the same cache since 2026-11-29
+          "gen_o_proj_3e1": ("--kv-precision", "int8", "--inference-precision", "f32")}
 
 REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_positions_clamped_to_P", "llama", "ir", "CPU", IR_CHECK),
@@ -89,6 +91,8 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("gen_past_values_shifted", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
     # f32 arithmetic over an f16 cache: published by the bounds it had before ROUNDED_CACHE_STEP
     ("gen_o_proj_3e2", "llama", "blob", "NPU", "the NPU blobs do not reproduce the static IR"),
+    # f32 arithmetic over an int8 cache: published by int8's fixed bounds against the widened IR
+    ("gen_o_proj_3e1", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
 ]
 
 
@@ -246,3 +250,20 @@ def test_a_router_over_a_rounded_cache_keeps_the_roundings_bounds_on_most_probes
     assert applied.edits and "past the bounds of the cache's rounding on" in result.output
     monkeypatch.setattr(compiled, "few_past_rounding", lambda rows, narrow, rounded=None: rows)
     kvc(*args)  # what a router's bounds alone publish
+
+
+def test_kvc_verify_judges_exact_blobs_over_an_int8_cache_by_its_own_rounding(tmp_path, monkeypatch):
+    """Exact CPU blobs over an int8 cache, layer 1's o_proj 30% too large in the blobs alone:
+    against the widened IR by int8's fixed bounds `kvc verify` said OK; against the IR over the
+    same int8 cache, bounded by int8's own rounding on each probe (`judge_same_quantization`),
+    it refuses them on the openvino backend, and its numpy backend, widened, stays exact."""
+    import json
+
+    applied = apply("gen_o_proj_3e1", monkeypatch.setattr, monkeypatch.setenv, "blob")
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--kv-precision", "int8", "--inference-precision", "f32",
+        "--no-verify")
+    assert applied.edits
+    report = json.loads(kvc("verify", out, "--json", code=4).stdout.split("\nkvc: error")[0])
+    assert {r["backend"] for r in report["results"] if not r["ok"]} == {"openvino"}
+    assert all("int8's own rounding" in r["reason"] for r in report["results"] if r["backend"] == "openvino")
