@@ -135,11 +135,15 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
     backend = backend or default_backend(out)
     started = time.perf_counter()
     pipeline, compiled = compile_if_needed(out, source, force, backend, from_ir, check)
+    if pipeline is None:  # OUT's files checked before any is read (tokenizer.json, generation_config.json too)
+        from kvc.export.manifest import check_files, read_manifest
+
+        check_files(out, read_manifest(out), sha256=check)
     load_seconds = time.perf_counter() - started
     stop = frozenset() if ignore_eos else (frozenset(eos) or eos_ids(out))
     sampling = Sampling(temperature, top_k, top_p, seed, stop)
     if requests_path is not None:
-        return run_requests(out, requests_path, backend, from_ir, check, as_json, prefix_cache,
+        return run_requests(out, requests_path, backend, from_ir, as_json, prefix_cache,
                             prefix_caching_block_size, prefix_caching_max_num_blocks, prefix_caching_max_bytes,
                             retention_policy, events_path, sampling, chunk_reuse, chunk_repair, pipeline)
     tokenizer = load_tokenizer(out) if text is not None else None
@@ -148,7 +152,7 @@ def run(out, source, force, prompt_ids, text, max_new_tokens, temperature, top_k
         from kvc.export.load import open_compiled
 
         started = time.perf_counter()
-        pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+        pipeline = open_compiled(out, backend, from_ir=from_ir)  # (hashed above with --check)
         load_seconds += time.perf_counter() - started
     if stream is None:
         stream = tokenizer is not None and not as_json and sys.stdout.isatty()
@@ -260,7 +264,7 @@ class TextStreamer:
         click.echo()
 
 
-def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool, as_json: bool, prefix_cache: bool,
+def run_requests(out: Path, path: Path, backend: str, from_ir: bool, as_json: bool, prefix_cache: bool,
                  block_size, max_blocks: int, max_bytes, policy: str, events_path: Path | None, sampling,
                  chunk_reuse: bool = False, chunk_repair: int | None = None, pipeline=None) -> None:
     from kvc.cache.prefix import PrefixCache
@@ -272,7 +276,7 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, check: bool
     needs_text = any(getattr(e, "prompt", None) is not None for e in entries)
     tokenizer = load_tokenizer(out) if needs_text else None
     if pipeline is None:
-        pipeline = open_compiled(out, backend, from_ir=from_ir, sha256=check)
+        pipeline = open_compiled(out, backend, from_ir=from_ir)  # (its files checked by `run` first)
     cache = None
     if prefix_cache:
         cache = PrefixCache(block_size or pipeline.lengths.chunk or 1, max_blocks, max_bytes,

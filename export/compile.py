@@ -36,15 +36,14 @@ from kvc.export.branches import branch_groups
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.mapped import pages_released, trim_heap
-from kvc.export.manifest import (FORMAT, MANIFEST, BackgroundHashes, dumps, openvino_version, port_table,
-                                 source_files)
+from kvc.export.manifest import (FORMAT, MANIFEST, TOKENIZER_FILES, BackgroundHashes, dumps, openvino_version,
+                                 port_table, source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.finite import check_no_nan_weights
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
 from kvc.plan import StaticOptions
-from kvc.ir.text_embeddings import TEXT_EMBEDDINGS_FILES
 from kvc.runtime.embeddings import embedder_of, language_config
 from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
@@ -54,12 +53,6 @@ DEVICES = ("CPU", "NPU")
 # generate variant has of its own (its size in bytes), which move in weights.bin when a
 # variant is added, so that the other blobs stay the same (kvc.export.blob_cache).
 SMALL_CONSTANT_BYTES = 16 << 10
-# Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use (and the
-# text embeddings model of a language model that takes inputs_embeds: runtime/embeddings.py).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                   "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
-                   "openvino_detokenizer.xml", "openvino_detokenizer.bin",
-                   *TEXT_EMBEDDINGS_FILES)
 
 
 def device_config(device: str, *, for_export: bool, precision: str = "f32") -> dict:

@@ -32,6 +32,15 @@ MANIFEST = "manifest.json"
 # 2: files hold {"bytes", "sha256"}; the source path is absolute.
 # 3: options, lengths and kv are the "plan" section (kvc.plan.StaticPlan.to_dict); "devices".
 FORMAT = 3
+# Files of an optimum-intel directory that `kvc run --prompt` and openvino.genai use (and the
+# text embeddings model of a language model that takes inputs_embeds: runtime/embeddings.py),
+# copied beside the models and listed in the manifest's "tokenizer" and "files". kvc reads some
+# of them back (tokenizer.json, generation_config.json, config.json, the text embeddings model):
+# one in OUT that the manifest does not list is refused (`check_files`), not read.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "generation_config.json", "openvino_tokenizer.xml", "openvino_tokenizer.bin",
+                   "openvino_detokenizer.xml", "openvino_detokenizer.bin",
+                   *TEXT_EMBEDDINGS_FILES)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -192,7 +201,7 @@ class BackgroundHashes:
 
 def _check_structure(manifest: dict, path: Path) -> None:
     """The keys kvc reads, and every file the manifest names listed in `files` with a path
-    that stays inside the directory."""
+    that stays inside the directory (the copied files too: `_check_copied`)."""
     def bad(reason, expected=None, found=None):
         return InvalidModelError("bad-manifest", str(path), reason, expected=expected, found=found)
 
@@ -250,6 +259,7 @@ def _check_structure(manifest: dict, path: Path) -> None:
         if name not in files:
             raise bad(f"{name!r} is used but not listed with its hash", expected="every model, blob and weights file "
                       "(and a text embeddings model, for models that take inputs_embeds) in files")
+    _check_copied(manifest, files, bad)
     _check_plan_against_ports(manifest, plan, bad)
     shared = [(name, device, blob) for name, model in manifest["models"].items()
               for device, blob in model["blobs"].items() if "branches" in blob]
@@ -257,6 +267,27 @@ def _check_structure(manifest: dict, path: Path) -> None:
         _check_branch_list(manifest["models"], name, device, blob["branches"], bad)
     for name, device, blob in shared:
         _check_branches(manifest["models"], name, device, blob, bad)
+
+
+def _check_copied(manifest: dict, files: dict, bad) -> None:
+    """The files the compile copied beside the models (`tokenizer`): names of TOKENIZER_FILES,
+    each once, and the same names as `files` lists of them. `kvc verify` compared only the
+    copies `tokenizer` named: a text embeddings model taken out of it (its hash in `files`
+    refreshed) was never compared, and `kvc run --check` ran its changed rows with exit 0."""
+    copied = manifest.get("tokenizer")
+    if not (isinstance(copied, list) and all(isinstance(n, str) for n in copied) and len(set(copied)) == len(copied)):
+        raise bad("malformed tokenizer (the files copied beside the models)", expected="a list of file names, each "
+                  "once", found=repr(copied)[:80])
+    for name in copied:
+        if name not in TOKENIZER_FILES:
+            raise bad(f"the copied files (tokenizer) list {name[:80]!r}, which kvc never copies",
+                      expected=f"names among {', '.join(TOKENIZER_FILES)}")
+    for name in TOKENIZER_FILES:
+        if (name in copied) != (name in files):
+            where, other = ("tokenizer", "files") if name in copied else ("files", "tokenizer")
+            raise bad(f"{name!r} is in the manifest's {where} but not in its {other}",
+                      expected="every file copied beside the models in both the copied files (tokenizer) and files, "
+                      "with its hash", found=f"{name!r} in {where} alone")
 
 
 def _check_branch_list(models: dict, name: str, device: str, branches, bad) -> None:
@@ -487,8 +518,21 @@ def plan_of(manifest: dict) -> StaticPlan:
 def check_files(directory: str | Path, manifest: dict, *, sha256: bool = False) -> None:
     """Every listed file present, inside the directory once symlinks are followed (else
     path-escape, as `kvc verify` and every model read refuse it: `kvc run` ran such files when
-    their sizes or hashes matched), with its recorded size (and sha256 when asked)."""
+    their sizes or hashes matched), with its recorded size (and sha256 when asked); and no
+    file of TOKENIZER_FILES that the manifest does not list (file-unlisted): kvc reads
+    tokenizer.json, generation_config.json and config.json from the directory, and a
+    generation_config.json put in a compile of a source that had none changed where `kvc run
+    --check` stopped, with exit 0. Refused rather than ignored: every reader of those files
+    then reads only what the manifest hashes, without each having to consult it."""
     directory = Path(directory)
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        if name not in manifest["files"] and (path.exists() or path.is_symlink()):
+            raise InvalidModelError("file-unlisted", str(path), "a tokenizer, config or text embeddings file the "
+                                    "manifest does not list: the compile copied none (the source had none), and kvc "
+                                    "reads none it cannot check; remove it, or recompile from a model that has it",
+                                    expected="no such file", found="a file" if path.is_file() else
+                                    "an entry that is not a regular file")
     for name, entry in sorted(manifest["files"].items()):
         path = directory / name
         if not path.is_file():

@@ -111,15 +111,82 @@ def test_copied_files_unlike_the_sources_fail_verification(compiled):
     with the source's."""
     report = json.loads(kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", "--json").stdout)
     assert report["copies"]["ok"] and report["copies"]["files"] >= 3
-    data = json.loads((compiled / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    a, b = list(vocab)[40:42]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (compiled / "tokenizer.json").write_text(json.dumps(data))
+    _swap_two_tokens(compiled)
     rehash(compiled)
     result = kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", code=4)
     assert "copied files: tokenizer.json differs from the source model's" in result.output
     assert "kvc: error: mismatch in the copied files: tokenizer.json differs" in result.output
+
+
+def _swap_two_tokens(directory) -> None:
+    data = json.loads((directory / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+
+
+def test_a_copied_file_the_source_lacked_is_refused_not_read(source, tmp_path):
+    """Red team A (3a): a compile of a source without generation_config.json and
+    tokenizer.json, both planted in OUT with no manifest edit: `kvc run --check` stopped at the
+    planted EOS and tokenized with the planted tokenizer, exit 0, and `kvc verify` said OK."""
+    bare = tmp_path / "bare"
+    shutil.copytree(source, bare)
+    (bare / "generation_config.json").unlink()
+    (bare / "tokenizer.json").unlink()
+    out = tmp_path / "out"
+    kvc("compile", bare, "-o", out, *SMALL, "--device", "CPU", "--no-verify")
+    assert "generation_config.json" not in read_manifest(out)["files"]
+    (out / "generation_config.json").write_text('{"eos_token_id": 72}\n')
+    for extra in ([], ["--check"]):
+        result = run(out, *extra, code=3)
+        assert f"{out / 'generation_config.json'}: a tokenizer, config or text embeddings file the manifest " \
+               "does not list" in result.output and "[file-unlisted]" in result.output
+    (out / "generation_config.json").unlink()
+    shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
+    result = kvc("run", out, "--check", "--prompt", "Hello world", "--max-new-tokens", "2", code=3)
+    assert f"{out / 'tokenizer.json'}" in result.output and "[file-unlisted]" in result.output
+    result = kvc("verify", out, "--backends", "numpy", "--max-new-tokens", "2", code=3)
+    assert "tokenizer.json" in result.output and "[file-unlisted]" in result.output
+
+
+@pytest.mark.parametrize("lists", ["files", "neither"])
+def test_a_copy_taken_out_of_the_manifest_s_copied_files_is_refused(compiled, lists):
+    """Red team A (3b): tokenizer.json with two tokens swapped, its hash refreshed, taken out
+    of the manifest's copied files ("tokenizer"): `kvc verify` compared only what that list
+    named and printed OK, and `kvc run --check` tokenized with it, exit 0. Taken out of `files`
+    too, it is a file the manifest does not list."""
+    _swap_two_tokens(compiled)
+    rehash(compiled)
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["tokenizer"].remove("tokenizer.json")
+    if lists == "neither":
+        del m["files"]["tokenizer.json"]
+    (compiled / MANIFEST).write_text(dumps(m))
+    expected = ("'tokenizer.json' is in the manifest's files but not in its tokenizer" if lists == "files" else
+                "tokenizer.json: a tokenizer, config or text embeddings file the manifest does not list")
+    for argv in (["run", compiled, "--check", "--prompt", "Hello world", "--max-new-tokens", "2"],
+                 ["verify", compiled, "--backends", "numpy", "--max-new-tokens", "2"]):
+        assert expected in kvc(*argv, code=3).output, argv
+
+
+@pytest.mark.parametrize("value,message", [
+    ("tokenizer.json", "malformed tokenizer (the files copied beside the models)"),
+    (["tokenizer.json", "tokenizer.json"], "malformed tokenizer"),
+    (["tokenizer.json", "weights.bin"], "the copied files (tokenizer) list 'weights.bin', which kvc never copies"),
+    (["tokenizer.json", "special_tokens_map.json"],
+     "'special_tokens_map.json' is in the manifest's tokenizer but not in its files"),
+])
+def test_a_malformed_list_of_copied_files_is_refused(compiled, value, message):
+    m = json.loads((compiled / MANIFEST).read_text())
+    m["tokenizer"] = value
+    if isinstance(value, list) and "weights.bin" not in value:  # the rest of files agrees with it
+        for name in list(m["files"]):
+            if name.endswith(".json") and name not in value:
+                del m["files"][name]
+    (compiled / MANIFEST).write_text(dumps(m))
+    out = run(compiled, code=3).output
+    assert f"{compiled / MANIFEST}: {message}" in out and "[bad-manifest]" in out
 
 
 def test_goldens_never_record_and_always_fail_non_finite_logits(compiled, tmp_path):
@@ -441,9 +508,13 @@ def test_a_source_with_a_nan_weight_is_refused_before_anything_is_written(source
 
 def test_a_damaged_tokenizer_is_an_invalid_file(compiled):
     """A truncated tokenizer.json was a usage error (exit 2) with --prompt and an invalid file
-    (exit 3) with --prompt-ids: it is an invalid file either way."""
+    (exit 3) with --prompt-ids: it is an invalid file either way, refused by its size before
+    it is read; behind a consistent manifest, by the tokenizer."""
     tokenizer = compiled / "tokenizer.json"
     tokenizer.write_bytes(tokenizer.read_bytes()[:100])
     out = kvc("run", compiled, "--prompt", "hi", "--max-new-tokens", "2", code=3).output
-    assert "tokenizer.json" in out and "[bad-tokenizer]" in out
+    assert f"{tokenizer}: the file's size differs from the manifest's" in out and "[file-changed]" in out
     assert "[file-changed]" in run(compiled, code=3).output
+    rehash(compiled)
+    out = kvc("run", compiled, "--prompt", "hi", "--max-new-tokens", "2", code=3).output
+    assert "tokenizer.json" in out and "[bad-tokenizer]" in out

@@ -137,6 +137,38 @@ def test_a_directory_whose_manifest_leaves_out_its_text_embeddings_model_is_refu
         assert f"'{TEXT_EMBEDDINGS}' is used but not listed with its hash" in result.output, command
 
 
+@pytest.mark.parametrize("delisted", [True, False])
+def test_a_changed_text_embeddings_copy_behind_a_rehashed_manifest_is_refused(compiled, tmp_path, delisted):
+    """Red team A (3b): one row of the copy negated, its hash in files refreshed and the file
+    taken out of the copied files ("tokenizer"): `kvc verify` compared only that list's files,
+    printed OK, and `kvc run --check` generated other tokens with exit 0. Now such a manifest
+    is refused (exit 3); left in the list, the copy is compared with the source's (exit 4)."""
+    import json
+
+    from kvc.export.manifest import file_entry
+
+    copy = tmp_path / "out"
+    shutil.copytree(compiled, copy)
+    weights = TEXT_EMBEDDINGS.replace(".xml", ".bin")
+    data = bytearray((copy / weights).read_bytes())
+    hidden = fixtures.goldens(NAME)["config"]["hidden_size"]
+    row = slice(200 * 4 * hidden, 201 * 4 * hidden)  # the table is at offset 0
+    data[row] = (-np.frombuffer(bytes(data[row]), np.float32)).tobytes()
+    (copy / weights).write_bytes(bytes(data))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"][weights] = file_entry(copy / weights)
+    if delisted:
+        manifest["tokenizer"].remove(weights)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    verify = kvc("verify", copy, "--backends", "numpy", "--max-new-tokens", "2", code=3 if delisted else 4)
+    if delisted:
+        assert f"'{weights}' is in the manifest's files but not in its tokenizer" in verify.output
+        run = kvc("run", copy, "--check", "--prompt-ids", "5,200,7,200,9", "--max-new-tokens", "4", code=3)
+        assert f"'{weights}' is in the manifest's files but not in its tokenizer" in run.output
+    else:
+        assert f"mismatch in the copied files: {weights} differs from the source model's" in verify.output
+
+
 def test_verify_refuses_a_source_whose_text_embeddings_differ(compiled, tmp_path):
     """The copy is compared byte for byte: the same model with one changed row of its table."""
     source = tmp_path / "model"

@@ -630,6 +630,15 @@ def build(tmp: Path) -> list[Case]:
         ("compiled-manifest-present-rows", "a model's present rows one short: an If blob's outputs are cut to "
          "them, and a first chunk generated other tokens with exit 0 (fuzz)", [
             Run("run", cd, INVALID, ("manifest.json", "present.0.key", "KV layout"))]),
+        # Red team A, finding 3: kvc read tokenizer and config files the manifest does not list.
+        ("compiled-copy-unlisted", "generation_config.json stopping at another id, taken out of the manifest's "
+         "files and copied files: kvc run --check stopped there with exit 0", [
+            Run("run", cd + ["--check"], INVALID, ("generation_config.json", "file-unlisted")),
+            Run("verify", cv, INVALID, ("generation_config.json", "file-unlisted"))]),
+        ("compiled-copy-delisted", "tokenizer.json taken out of the manifest's copied files (its hash kept): "
+         "kvc verify never compared it with the source's", [
+            Run("run", cd + ["--check"], INVALID, ("manifest.json", "'tokenizer.json'", "bad-manifest")),
+            Run("verify", cv, INVALID, ("manifest.json", "'tokenizer.json'", "bad-manifest"))]),
     ):
         cases.append(Case(name, what, runs, tmp / name))
     return cases
@@ -698,6 +707,12 @@ def prepare_compiled(case: Case, good: Path) -> None:
     elif n == "compiled-manifest-present-rows":
         port = next(p for p in m["models"]["prefill"]["outputs"] if p["name"] == "present.0.key")
         port["shape"][2] -= 1
+    elif n == "compiled-copy-unlisted":
+        (d / "generation_config.json").write_text('{"eos_token_id": 72}\n')
+        del m["files"]["generation_config.json"]
+        m["tokenizer"].remove("generation_config.json")
+    elif n == "compiled-copy-delisted":
+        m["tokenizer"].remove("tokenizer.json")
     if n == "compiled-manifest-not-utf8":
         mpath.write_bytes(mpath.read_bytes().replace(b'"format"', b'"\xbbormat"', 1))
     elif n == "compiled-manifest-not-json":

@@ -355,7 +355,8 @@ def serve(plant: str | None = None) -> None:
         load.read_manifest = manifest.read_manifest = boom  # `kvc run` reads it first for its default backend
     elif plant == "no-check":
         import kvc.export.load as load
-        load.check_files = lambda *args, **kwargs: None
+        import kvc.export.manifest as manifest
+        load.check_files = manifest.check_files = lambda *args, **kwargs: None  # (`kvc run` checks before it opens)
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the answer stream
     for line in sys.stdin:
