@@ -935,30 +935,32 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
 
 def check_copies(source, directory, manifest: dict) -> dict:
     """The files the compile copied beside the models (the tokenizer's, config.json,
-    generation_config.json: what `kvc run` reads to turn text into ids and to stop, and what
-    `kvc verify` reads for the window and special ids it probes) against the source model's,
-    byte for byte: the manifest's hashes prove only that they are what the compile wrote. A
-    file with no counterpart beside the source (`--against` a directory without them) is not
-    compared, and said."""
-    from kvc.export.compile import TOKENIZER_FILES
+    generation_config.json, a text embeddings model: what `kvc run` reads to turn text into ids,
+    to stop and to feed a vision-language model's rows, and what `kvc verify` reads for the
+    window and special ids it probes) against the source model's, byte for byte: the manifest's
+    hashes prove only that they are what the compile wrote. Every name of TOKENIZER_FILES
+    found beside the source or in `directory` is compared, whatever the manifest's list says
+    (a text embeddings model taken out of it was never compared, and verified OK): one on a
+    side alone is a mismatch, as the compile copies each the source has."""
+    from kvc.export.manifest import TOKENIZER_FILES
     from kvc.ir.reader import resolve
 
     root = resolve(source).root
-    copied = manifest.get("tokenizer", [])
-    absent = []
-    for name in copied:
-        if name not in TOKENIZER_FILES:
-            return {"ok": False, "reason": f"the manifest lists {str(name)[:80]!r}, which kvc never copies"}
-        theirs = root / name
+    same = 0
+    for name in TOKENIZER_FILES:
+        theirs, ours = root / name, directory / name
+        if not theirs.is_file() and not ours.is_file():
+            continue
+        if not ours.is_file():
+            return {"ok": False, "reason": f"{name} is beside the source model ({theirs}) but was not copied into "
+                                           f"{directory}"}
         if not theirs.is_file():
-            absent.append(name)
-        elif not _same_bytes(theirs, directory / name):
+            return {"ok": False, "reason": f"{name} is in {directory} but the source model has none ({root})"}
+        if not _same_bytes(theirs, ours):
             return {"ok": False, "reason": f"{name} differs from the source model's ({theirs})"}
-    same = len(copied) - len(absent)
-    reason = f"all {same} identical to the source model's" if copied else "none copied"
-    if absent:
-        reason = f"{same} identical to the source model's; not compared, none beside it: {', '.join(absent)}"
-    return {"ok": True, "files": same, "reason": reason}
+        same += 1
+    return {"ok": True, "files": same, "reason": f"all {same} identical to the source model's" if same else
+            "none beside the source model, none copied"}
 
 
 def _same_bytes(a: Path, b: Path, block: int = 1 << 22) -> bool:

@@ -150,6 +150,31 @@ def test_a_copied_file_the_source_lacked_is_refused_not_read(source, tmp_path):
     assert "tokenizer.json" in result.output and "[file-unlisted]" in result.output
 
 
+def test_verify_compares_copies_the_manifest_lists_with_the_source_s_on_both_sides(compiled, source, tmp_path):
+    """Every tokenizer or config file beside the source or in OUT is compared, whatever the
+    manifest lists: a copy of a file the source does not have (its hash in the manifest, a
+    consistent lie), or a file of the source that OUT has no copy of, is a mismatch."""
+    m = json.loads((compiled / MANIFEST).read_text())
+    assert "special_tokens_map.json" not in m["files"] and not (source / "special_tokens_map.json").exists()
+    (compiled / "special_tokens_map.json").write_text('{"eos_token": "</s>"}\n')
+    m["files"]["special_tokens_map.json"] = file_entry(compiled / "special_tokens_map.json")
+    m["tokenizer"].append("special_tokens_map.json")
+    (compiled / MANIFEST).write_text(dumps(m))
+    run(compiled, "--check")  # what the manifest says is what the directory holds
+    result = kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", code=4)
+    assert (f"mismatch in the copied files: special_tokens_map.json is in {compiled} but the source model has "
+            "none") in result.output
+    (compiled / "special_tokens_map.json").unlink()
+    (compiled / "tokenizer_config.json").unlink()
+    del m["files"]["special_tokens_map.json"], m["files"]["tokenizer_config.json"]
+    m["tokenizer"] = [n for n in m["tokenizer"] if n not in ("special_tokens_map.json", "tokenizer_config.json")]
+    (compiled / MANIFEST).write_text(dumps(m))
+    run(compiled, "--check")
+    result = kvc("verify", compiled, "--backends", "numpy", "--max-new-tokens", "2", code=4)
+    assert (f"mismatch in the copied files: tokenizer_config.json is beside the source model "
+            f"({source / 'tokenizer_config.json'}) but was not copied into {compiled}") in result.output
+
+
 @pytest.mark.parametrize("lists", ["files", "neither"])
 def test_a_copy_taken_out_of_the_manifest_s_copied_files_is_refused(compiled, lists):
     """Red team A (3b): tokenizer.json with two tokens swapped, its hash refreshed, taken out
