@@ -43,8 +43,9 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
               help="Make OUT from this model first, unless OUT's manifest records this model's files' sha256 for "
-                   "--backend's device: kvc compile's defaults, verification on, and the pipeline then serves the "
-                   "blobs the compile checked, in this process (nothing imported twice).")
+                   "--backend's device and a verification: kvc compile's defaults, verification on, and the pipeline "
+                   "then serves the blobs the compile checked, in this process (nothing imported twice). An OUT "
+                   "compiled otherwise is refused unless --force.")
 @click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")
@@ -212,7 +213,9 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     `kvc compile`'s defaults, unless `out` already holds a compile of it for that device.
     Returns (the pipeline the compile opened on its blobs, or None when `out` is to be opened:
     not compiled, or a backend that runs the IR, numpy or --from-ir; whether it compiled). A
-    directory compiled from other files is refused without --force, never replaced."""
+    directory compiled from other files, for another device, or without verification (a
+    --no-verify compile of the same files, which --compile-from served as if verified) is
+    refused without --force, never replaced: the user may have kept it on purpose."""
     from kvc.cli.options import progress
     from kvc.export.compile import (CompileOptions, compile_and_open, compile_static, compile_to,
                                     source_image_rows, source_selects)
@@ -228,6 +231,11 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
         if not same_source(manifest, source):
             raise UsageError(f"{out} holds a compile of other files than {source}; pass --force to compile {source} "
                              f"into it, or give another OUT")
+        if not (manifest.get("verification") or {}).get("ok"):  # --compile-from promises a verified compile
+            raise UsageError(f"{out} is a compile of {source} without a verification (kvc compile --no-verify), and "
+                             f"--compile-from serves only a compile verified against its source; pass --force to "
+                             f"compile it again with verification on, or run {out} without --compile-from to serve it "
+                             f"unverified")
         devices = manifest["devices"] if isinstance(manifest["devices"], list) else []
         if not runs_ir and device not in devices:
             raise UsageError(f"{out} is a compile of {source} for {', '.join(map(str, devices)) or 'no device'}, not "

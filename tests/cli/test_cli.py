@@ -250,6 +250,25 @@ def test_run_compile_from_compiles_once_then_runs_what_it_compiled(tmp_path):
     assert "does not exist" in kvc("run", tmp_path / "missing", "--prompt-ids", "1", code=2).output
 
 
+def test_run_compile_from_refuses_a_compile_made_without_verification(tmp_path):
+    """Red team A (4): OUT compiled from MODEL with --no-verify (a faulty one generated other
+    tokens) was served by `--compile-from MODEL`, which promises kvc compile's defaults,
+    verification on, as a verified compile, with exit 0. It is refused and left alone, like a
+    compile for another device; --force compiles it again, verified."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "CPU", "--no-verify")
+    manifest = (out / "manifest.json").read_bytes()
+    refused = kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", "1,2", code=2)
+    assert (f"{out} is a compile of {fixtures.path('llama')} without a verification (kvc compile --no-verify)"
+            in refused.output) and "pass --force" in refused.output
+    assert (out / "manifest.json").read_bytes() == manifest and "generated" not in refused.output
+    assert "generated (2 tokens)" in kvc("run", out, "--prompt-ids", "1,2", "--max-new-tokens", "2").output
+    forced = kvc("run", out, "--compile-from", fixtures.path("llama"), "--force", "--prompt-ids", "1,2", "--json")
+    assert json.loads(forced.stdout)["compiled"] and "verifying the static pipeline" in forced.stderr
+    assert json.loads((out / "manifest.json").read_text())["verification"]["ok"]
+    kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", "1,2")  # verified: served
+
+
 def test_run_compile_from_for_the_numpy_backend_runs_the_ir(tmp_path):
     golden = fixtures.goldens("llama")["prompts"][0]
     data = json.loads(kvc("run", tmp_path / "out", "--compile-from", fixtures.path("llama"), "--backend", "numpy",
