@@ -529,8 +529,8 @@ def check_files(directory: str | Path, manifest: dict, *, sha256: bool = False) 
         path = directory / name
         if name not in manifest["files"] and (path.exists() or path.is_symlink()):
             raise InvalidModelError("file-unlisted", str(path), "a tokenizer, config or text embeddings file the "
-                                    "manifest does not list: the compile copied none (the source had none), and kvc "
-                                    "reads none it cannot check; remove it, or recompile from a model that has it",
+                                    "manifest does not list (the compile lists every file it copies), and kvc reads "
+                                    "none it cannot check; remove it, or recompile",
                                     expected="no such file", found="a file" if path.is_file() else
                                     "an entry that is not a regular file")
     for name, entry in sorted(manifest["files"].items()):
