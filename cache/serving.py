@@ -52,7 +52,7 @@ from kvc.cache.chunks import ChunkReuse, plan_chunks, take_rows
 from kvc.cache.prefix import PrefixCache, Retention
 from kvc.errors import UsageError
 from kvc.runtime.embeddings import Media
-from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline
+from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline, token_ids
 
 
 @dataclass
@@ -79,10 +79,9 @@ def common_prefix(a, b, tags_a: np.ndarray | None = None, tags_b: np.ndarray | N
 
 
 def prompt_array(prompt) -> np.ndarray:
-    try:
-        return np.asarray(prompt, dtype=np.int64).reshape(-1)
-    except (OverflowError, ValueError, TypeError):
-        raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
+    """The prompt's token ids (`kvc.runtime.static_pipeline.token_ids`: floats, bools, strings
+    and nested lists are refused, never truncated or flattened)."""
+    return token_ids(prompt)
 
 
 def check_fits(pipe: StaticPipeline, prompt: np.ndarray, new_tokens: int, session: str | None) -> None:

@@ -37,6 +37,38 @@ from kvc.runtime.sampling import Sampling
 from kvc.runtime.session import Session
 
 
+TOKEN_IDS = "the prompt must be a list of token ids (integers from 0 to 2^63 - 1)"
+
+
+def token_ids(prompt) -> np.ndarray:
+    """`prompt` as a 1-D int64 array. It must be a flat sequence (a list, tuple or 1-D array) of
+    integers from 0 to 2^63 - 1: floats (1.9 was taken as 1), bools, strings ("5" was taken as
+    5), nested lists and 2-D arrays (flattened) and a scalar are a UsageError naming what was
+    found, never converted. Negative ids pass here: `check_fits` refuses them with the
+    vocabulary's range."""
+    if isinstance(prompt, (str, bytes)):
+        raise UsageError(f"{TOKEN_IDS}, found a string: tokenize it first")
+    try:
+        a = np.asarray(prompt)
+    except (ValueError, TypeError):  # a ragged nesting
+        raise UsageError(f"{TOKEN_IDS}, found a nested sequence") from None
+    if a.ndim != 1:
+        found = "a single value" if a.ndim == 0 else f"a nested sequence (shape {list(a.shape)})"
+        raise UsageError(f"{TOKEN_IDS}, found {found}")
+    if not a.size:
+        return np.zeros(0, np.int64)  # `check_fits`: the prompt is empty
+    listed = isinstance(prompt, (list, tuple))  # np.asarray([True, 2]) is an int64 array: look at each item
+    if not listed and (a.dtype.kind == "i" or (a.dtype.kind == "u" and int(a.max()) <= np.iinfo(np.int64).max)):
+        return a.astype(np.int64, copy=False)
+    items = prompt if listed else a.tolist()
+    for i, t in enumerate(items):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise UsageError(f"{TOKEN_IDS}, found {t!r} ({type(t).__name__}) at position {i}")
+        if not -(1 << 63) <= int(t) < (1 << 63):
+            raise UsageError(f"{TOKEN_IDS}, found {int(t)} at position {i}")
+    return np.asarray([int(t) for t in items], np.int64)  # Python ints of an object array, in range
+
+
 class PromptTooLongError(UsageError):
     """The prompt does not fit the compiled prefill."""
 
@@ -261,6 +293,8 @@ class StaticPipeline:
             raise PromptTooLongError(
                 f"prompt of {n} tokens does not fit: the prefill model takes at most {L.prompt} "
                 f"(max prompt length {L.prompt}, chunk {L.chunk or 'none'})")
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, (int, np.integer)):
+            raise UsageError(f"the number of new tokens must be an integer, got {new_tokens!r}")
         if new_tokens < 1:
             raise UsageError(f"the number of new tokens must be at least 1, got {new_tokens}")
         limit = max_new_tokens(L, n)
@@ -331,10 +365,7 @@ class StaticPipeline:
         (a chunk store keys rows by ids alone, and an image's tokens share one id); it may
         restore rows (`reuse`: a prefix cache keys them by the media too, `Media.tags`) where
         `keeps` says. For a model that reads `token_type_ids` its first call holds its media."""
-        try:
-            prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        except (OverflowError, ValueError, TypeError):
-            raise UsageError("the prompt must be a list of token ids (integers from 0 to 2^63 - 1)") from None
+        prompt = token_ids(prompt)
         L = self.lengths
         if origin:
             if reuse or placed or not L.chunk or origin % L.chunk or origin < 0:
@@ -430,7 +461,7 @@ class StaticPipeline:
         compile's far probe of a variant (`kvc.verify.compiled.probe_cases`),
         which reaches its last positions in a few steps, where a prompt from position 0 would
         need a prefill and then one step a position. The logits are those of the new tokens."""
-        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        prompt = token_ids(prompt)
         L = self.lengths
         last_stored = origin + len(prompt) + new_tokens - 2  # the last step's past
         if (L.tokens != 1 or variant not in self.generate_sessions or not len(prompt) or new_tokens < 1

@@ -188,3 +188,36 @@ def test_the_prefix_cache_keeps_int8_kv_and_its_scales():
     got = served.generate(prompt, NEW)
     assert got.cached_tokens == 2 * C and got.tokens == plain.tokens
     assert all(np.array_equal(a, b) for a, b in zip(got.logits, plain.logits))
+
+
+@pytest.mark.parametrize("prompt, found", [
+    ([1.9, 2.7, 3.2], r"found 1.9 \(float\) at position 0"),  # was taken as [1, 2, 3]
+    ([5, 6.0], r"found 6.0 \(float\) at position 1"),
+    (["5", "6", "7"], r"found '5' \(str\) at position 0"),  # was taken as [5, 6, 7]
+    ([True, 2, 3], r"found True \(bool\) at position 0"),  # was taken as [1, 2, 3]
+    ([[1, 2], [3, 4]], r"found a nested sequence \(shape \[2, 2\]\)"),  # was flattened
+    (np.array([[1, 2, 3]]), r"found a nested sequence \(shape \[1, 3\]\)"),
+    (np.array([1.5, 2.5]), r"found 1.5 \(float\) at position 0"),
+    ("1 2 3", "found a string"),
+    (7, "found a single value"),
+])
+def test_a_prompt_that_is_not_token_ids_is_refused_not_converted(prompt, found):
+    """`CachedPipeline.generate` and `StaticPipeline.generate` took `np.asarray(prompt, int64)`:
+    floats were truncated, strings parsed, bools taken as 0 and 1, nested lists flattened. The
+    CLI's JSON parser refuses them; the API now does too, before the cache or a session changes."""
+    cache = PrefixCache(block_size=C, max_blocks=8)
+    served = CachedPipeline(pipeline("llama", "chunked", "numpy"), cache)
+    served.start_chat("s")
+    for run in (lambda: served.generate(prompt, NEW), lambda: served.generate(prompt, NEW, session="s"),
+                lambda: served.pipeline.generate(prompt, NEW)):
+        with pytest.raises(UsageError, match="the prompt must be a list of token ids .*" + found):
+            run()
+    assert cache.keys() == [] and cache.stats.requests == 0 and served.sessions["s"].tokens == []
+
+
+def test_a_number_of_new_tokens_that_is_not_an_integer_is_refused():
+    served = CachedPipeline(pipeline("llama", "chunked", "numpy"), PrefixCache(block_size=C))
+    for new_tokens in (2.5, True, "3"):
+        with pytest.raises(UsageError, match="the number of new tokens must be an integer, got"):
+            served.generate([1, 2, 3], new_tokens)  # 2.5 gave 3 tokens
+    assert len(served.generate([1, 2, 3], np.int64(2)).tokens) == 2
