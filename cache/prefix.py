@@ -76,13 +76,18 @@ class TokenRange:
     duration: float | None = None
 
     def __post_init__(self) -> None:
-        check_priority(self.priority, f"token range [{self.start}, {self.end})")
-        check_duration(self.duration, f"token range [{self.start}, {self.end})")
+        check_priority(self.priority, f"token range {self}")
+        check_duration(self.duration, f"token range {self}")
         if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
             raise UsageError(f"a token range starts at a token index >= 0, found {self.start!r}")
         if self.end is not None and (isinstance(self.end, bool) or not isinstance(self.end, int)
                                      or self.end <= self.start):
             raise UsageError(f"token range [{self.start}, {self.end!r}): the end must be an index after the start")
+
+    def __str__(self) -> str:
+        """`[start, end)`, or without an end `from start to the prompt's end` (messages printed
+        `[50, None)`)."""
+        return f"from {self.start} to the prompt's end" if self.end is None else f"[{self.start}, {self.end})"
 
 
 @dataclass(frozen=True)
@@ -97,12 +102,15 @@ class Retention:
         if self.decode_priority is not None:
             check_priority(self.decode_priority, "decode priority")
         check_duration(self.decode_duration, "decode duration")
+        if self.decode_duration is not None and self.decode_priority is None:
+            raise UsageError("a decode duration needs a decode priority (the duration is how long that priority "
+                             "lasts)")
 
     def check(self, prompt_len: int) -> None:
         """Refuse ranges that fall outside a prompt of `prompt_len` tokens."""
         for r in self.ranges:
             if r.start >= prompt_len or (r.end is not None and r.end > prompt_len):
-                raise UsageError(f"token range [{r.start}, {r.end}) is outside the {prompt_len}-token prompt")
+                raise UsageError(f"token range {r} is outside the {prompt_len}-token prompt")
 
     def of_token(self, index: int, prompt_len: int) -> tuple[int, float | None] | None:
         """The (priority, duration) this retention gives token `index`, None when it says nothing."""

@@ -22,7 +22,8 @@
   are read without pickles (`kvc run --image`, `--image-positions`), and checked against
   the prompt and the model before any request runs. A chat turn gives its whole history's
   images, as it gives its whole history.
-* Blank lines and lines starting with `#` are skipped. Any other field is an error.
+* Blank lines and lines starting with `#` are skipped, and so is a UTF-8 byte order mark at the
+  start of the file. Any other field is an error.
 
 Every problem is a UsageError naming the file and line. Ranges are checked against the
 prompt here when the prompt is token ids, and before the request runs when it is text.
@@ -43,6 +44,7 @@ REQUEST_FIELDS = {"id", "prompt_ids", "prompt", "max_new_tokens", "session", "re
 RANGE_FIELDS = {"start", "end", "priority", "duration_ms"}
 IMAGE_FIELDS = {"start", "rows"}
 DEFAULT_NEW_TOKENS = 16
+BOM = "\ufeff"  # a UTF-8 byte order mark, decoded
 MAX_LINE = 1 << 24  # 16 MiB: a line longer than any prompt the static pipeline takes
 
 
@@ -110,9 +112,10 @@ def _retention(obj: dict) -> Retention | None:
     if decode is not None:
         decode = _int(decode, "'decode_priority'", 0, 100)
     duration = _seconds(obj.get("decode_duration_ms"), "'decode_duration_ms'")
+    if duration is not None and decode is None:  # with ranges too: it was dropped unused
+        raise UsageError("'decode_duration_ms' needs a 'decode_priority' (the duration is how long that priority "
+                         "lasts)")
     if not parsed and decode is None:
-        if duration is not None:
-            raise UsageError("'decode_duration_ms' needs a 'decode_priority'")
         return None
     return Retention(tuple(parsed), decode, duration)
 
@@ -178,11 +181,15 @@ def parse_requests(text: str, source: str = "<requests>", base: Path = Path(".")
     """Every line of a workload, validated; the first problem is an error naming its line.
     `base`: the directory image paths are relative to."""
     entries, ids = [], {}
+    text = text.removeprefix(BOM)  # Windows editors begin UTF-8 files with one; JSON Lines has none
     for number, raw in enumerate(text.split("\n"), 1):  # JSON Lines: only \n ends a line (U+2028 may be in a string)
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue
         try:
+            if stripped.startswith(BOM):  # json's own message says "decode using utf-8-sig"
+                raise UsageError("the line starts with a byte order mark (U+FEFF), which only the file's start may "
+                                 "hold (files joined together?): remove it")
             if len(stripped) > MAX_LINE:
                 raise UsageError(f"the line is {len(stripped)} characters long (at most {MAX_LINE})")
             try:

@@ -128,6 +128,10 @@ def test_bad_retention_is_refused():
         TokenRange(4, 4, 50)
     with pytest.raises(UsageError, match=r"token range \[2, 9\) is outside the 8-token prompt"):
         Retention((TokenRange(2, 9, 50),)).check(8)
+    with pytest.raises(UsageError, match="token range from 50 to the prompt's end is outside the 4-token prompt"):
+        Retention((TokenRange(50, None, 50),)).check(4)  # printed [50, None)
+    with pytest.raises(UsageError, match="a decode duration needs a decode priority"):
+        Retention((TokenRange(0, 4, 50),), decode_duration=1.0)  # was kept, and never used
 
 
 def test_events_replayed_by_a_router_give_the_cache_s_blocks():

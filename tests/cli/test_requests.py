@@ -75,6 +75,13 @@ def test_replay_reports_requests_cache_and_events(chunked, tmp_path):
     # a lone surrogate ran every request, then failed printing the table (exit 1)
     ('{"id": "\\ud800", "prompt_ids": [1]}', "w.jsonl:2: 'id' must be text UTF-8 can hold"),
     ('{"session": "\\udfff", "prompt_ids": [1]}', "w.jsonl:2: 'session' must be text UTF-8 can hold"),
+    # a decode duration beside ranges was dropped unused (without ranges it was refused)
+    ('{"prompt_ids": [1, 2], "retention": [{"start": 0, "priority": 50}], "decode_duration_ms": 1000}',
+     "w.jsonl:2: 'decode_duration_ms' needs a 'decode_priority'"),
+    ('{"prompt_ids": [1, 2], "decode_duration_ms": 1000}', "w.jsonl:2: 'decode_duration_ms' needs a 'decode_priority'"),
+    # printed "token range [50, None)"
+    ('{"prompt_ids": [1, 2], "retention": [{"start": 50, "priority": 10}]}',
+     "w.jsonl:2: token range from 50 to the prompt's end is outside the 2-token prompt"),
 ])
 def test_bad_workload_lines_are_named_and_nothing_runs(chunked, tmp_path, line, message):
     path = workload(tmp_path / "w.jsonl", [{"id": "a", "prompt_ids": [1, 2, 3]}, line])
@@ -166,3 +173,20 @@ def test_prefix_cache_needs_a_chunked_prefill_and_the_options_need_requests(tmp_
                                            {"prompt_ids": [1, 2, 3, 4], "session": "s"}])
     data = json.loads(kvc("run", out, "--requests", chat, "--json").output)
     assert [r["cached_tokens"] for r in data["requests"]] == [0, 0] and data["cache"] is None
+
+
+def test_a_byte_order_mark_at_the_start_of_the_file_is_skipped(chunked, tmp_path):
+    """Windows editors save UTF-8 with a byte order mark: the file was refused with Python's
+    "not JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)". At the start it is skipped; on a
+    later line (files joined together) it is an error that says what it is."""
+    lines = [{"id": "a", "prompt_ids": [1, 2, 3], "max_new_tokens": 2}, {"id": "b", "prompt_ids": [4, 5], "max_new_tokens": 2}]
+    plain = workload(tmp_path / "plain.jsonl", lines)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    expected = json.loads(kvc("run", chunked, "--requests", plain, "--json").output)["requests"]
+    got = json.loads(kvc("run", chunked, "--requests", bom, "--json").output)["requests"]
+    assert [(r["id"], r["tokens"]) for r in got] == [(r["id"], r["tokens"]) for r in expected]
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes(bom.read_bytes() * 2)
+    out = kvc("run", chunked, "--requests", joined, code=2).output
+    assert f"{joined}:3: the line starts with a byte order mark (U+FEFF)" in out and "utf-8-sig" not in out
