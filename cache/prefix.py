@@ -24,7 +24,10 @@ docs/source/features/kvcache.md):
   ranges of its prompt a priority and optionally a duration, and the tokens its decode phase
   produces another. A block takes the highest priority of its tokens (a token no range covers
   has the default). A priority with a duration lapses to the default once the duration passes
-  without the block being used; a block that is hit or stored again is used.
+  without the block being used; a block that is hit or stored again is used. A lapsed block
+  keeps the default (TensorRT-LLM's eviction policy sets an expired block's priority to the
+  default): the cache applies a lapse when it next stores, restores or touches blocks (an
+  `updated` event when the priority changes), and eviction counts it as lapsed meanwhile.
 * Every stored, removed and re-prioritized block of a chain is an event (`kvc.cache.events`);
   chunk-reuse blocks are not.
 * For chunk-level reuse (`kvc.cache.chunks`) every block is also indexed by its tokens alone
@@ -144,9 +147,12 @@ class Block:
         """The position of its first token where its rows were computed."""
         return self.origin[1]
 
+    def lapsed(self, now: float) -> bool:
+        """Whether its priority's duration has passed without use."""
+        return self.duration is not None and now - self.last_used > self.duration
+
     def effective_priority(self, now: float) -> int:
-        lapsed = self.duration is not None and now - self.last_used > self.duration
-        return DEFAULT_PRIORITY if lapsed else self.priority
+        return DEFAULT_PRIORITY if self.lapsed(now) else self.priority
 
 
 def _token_hash(prefix: bytes, tokens: Iterable[int], extra: bytes = b"") -> str:
@@ -269,6 +275,7 @@ class PrefixCache:
         at the first block that finds no room. `prompt_len` tells prompt tokens from decoded
         ones (default: all are prompt)."""
         B, now, parent, added = self.block_size, self.clock(), None, 0
+        self._lapse(now)
         prompt_len = count if prompt_len is None else prompt_len
         self.sequences += 1
         chain: set[str] = set()
@@ -313,6 +320,7 @@ class PrefixCache:
         of the stream (TensorRT-LLM's KVCacheEvent: a stored block without a parent begins a
         sequence) would take each for a first block. Returns the number of blocks added."""
         B, now, added = self.block_size, self.clock(), 0
+        self._lapse(now)
         self.sequences += 1
         chain = set(self.chain(tokens, start))
         for at in range(start, count - B + 1, B):
@@ -341,6 +349,7 @@ class PrefixCache:
         """Mark restored blocks used now (their priority clocks restart); with a retention
         that gives them a priority, take it."""
         now = self.clock()
+        self._lapse(now)
         for i, block in enumerate(blocks):
             priority, duration, explicit = self._priority(i * self.block_size, retention,
                                                           prompt_len if prompt_len is not None else 1 << 62)
@@ -348,7 +357,20 @@ class PrefixCache:
 
     def touch(self, block: Block) -> None:
         """Mark a block used now (a chunk-reuse hit), its priority unchanged."""
-        self._use(block, self.clock(), None)
+        now = self.clock()
+        self._lapse(now)
+        self._use(block, now, None)
+
+    def _lapse(self, now: float) -> None:
+        """Give every block whose priority lapsed (`Block.lapsed`) the default priority for good,
+        as TensorRT-LLM's eviction policy does when a block's priority expires: a later hit
+        restarted the clock of the old priority, which came back for another duration. An
+        `updated` event when that changes the priority (a chunk-reuse block has the default)."""
+        for block in self.blocks.values():
+            if block.lapsed(now):
+                old, block.priority, block.duration = block.priority, DEFAULT_PRIORITY, None
+                if old != DEFAULT_PRIORITY:
+                    self.events.emit("updated", block_hashes=(block.key,), priority=DEFAULT_PRIORITY)
 
     def _use(self, block: Block, now: float, set_priority: tuple[int, float | None] | None) -> None:
         block.last_used = now

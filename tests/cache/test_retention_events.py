@@ -96,6 +96,38 @@ def test_a_priority_lapses_to_the_default_when_its_duration_passes_without_use()
     assert block.key not in cache.blocks
 
 
+def test_a_lapsed_priority_stays_lapsed_and_says_so():
+    """A lapse was computed when eviction looked and never stored: a later plain hit restarted
+    the clock, the old priority came back for another duration (a block at 90 outlived newer
+    blocks at the default), and no event ever said it had lapsed. Now a lapsed block takes the
+    default for good, as TensorRT-LLM's eviction policy sets it, with an `updated` event."""
+    clock = Clock()
+    cache = PrefixCache(B, max_blocks=2, clock=clock, event_buffer_size=100)
+    store(cache, [1, 2, 3, 4], Retention((TokenRange(0, None, 90, duration=10.0),)), 4)
+    block = cache.blocks[block_key(None, [1, 2, 3, 4])]
+    cache.get_latest_events()
+    clock.now = 20  # lapsed at 10
+    cache.use(cache.lookup([1, 2, 3, 4, 0], 4))  # a plain hit
+    assert (block.priority, block.duration) == (DEFAULT_PRIORITY, None)
+    assert [(e.type, e.block_hashes, e.priority) for e in cache.get_latest_events()] == [
+        ("updated", (block.key,), DEFAULT_PRIORITY)]
+    clock.now = 21
+    store(cache, [5, 6, 7, 8])  # the default, used after the lapsed block
+    assert block.effective_priority(clock.now) == DEFAULT_PRIORITY  # was 90 again: the hit restarted its clock
+    clock.now = 22
+    store(cache, [9, 9, 9, 9])  # the least recently used of two defaults goes
+    assert block.key not in cache.blocks and block_key(None, [5, 6, 7, 8]) in cache.blocks
+    # a priority equal to the default lapses without an event; a request may set one again
+    store(cache, [7, 7, 7, 7], Retention((TokenRange(0, None, DEFAULT_PRIORITY, duration=1.0),)), 4)
+    cache.get_latest_events()
+    clock.now = 30
+    again = cache.lookup([7, 7, 7, 7, 0], 4)
+    cache.use(again)
+    assert again[0].duration is None and cache.get_latest_events() == []
+    cache.use(again, Retention((TokenRange(0, None, 60),)), 5)
+    assert [(e.type, e.priority) for e in cache.get_latest_events()] == [("updated", 60)]
+
+
 def test_lru_policy_ignores_priorities():
     clock = Clock()
     cache = PrefixCache(B, max_blocks=1, clock=clock, policy="lru")
