@@ -23,7 +23,13 @@ Rules:
   diverges. A session over an unchunked prefill restores nothing (each turn prefills all of
   it) and says so by `cached_tokens` 0. A history longer than the prefill takes is an error
   that quotes the numbers; nothing is truncated.
-* When both could serve, the longer of the session's prefix and the cache's blocks is used.
+* When both could serve, the session serves if it restores more rows than the cache's blocks
+  and its rows are exact (`ChatSession.chained`: not placed, and computed by the calls a run
+  from position 0 makes) as far as the blocks reach; else the blocks do.
+* A session turn whose prefix ends within a chunk computes the rest with calls that start
+  there, not where a run from 0 starts them: its rows from the chunk boundary below that
+  prefix on are stored for chunk reuse only (when it is on), never under a chained key, so a
+  later prefix hit stays exact.
 * Chunk reuse (opt-in, `kvc.cache.chunks`): after the exact prefix, blocks cached anywhere
   with the same tokens are moved here and placed, seams repaired; the request reports them
   as `placed_tokens` and its rows from the first placed block on are stored for chunk reuse
@@ -61,6 +67,7 @@ class ChatSession:
     tokens: list[int] = field(default_factory=list)  # the sequence whose KV rows are kept
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     exact: int = 0  # its leading rows computed without chunk reuse; the rest are approximate
+    chained: int = 0  # its leading rows a run of them from position 0 computes (what a chained key may name)
     tags: np.ndarray | None = None  # its media's (`Media.tags`), None: text
 
 
@@ -153,19 +160,28 @@ class CachedPipeline:
         lcp = min(common_prefix(chat.tokens, prompt, chat.tags, tags), limit) if chat is not None else 0
         if not pipe.keeps(n, lcp, media):
             lcp = 0
-        if self.cache is not None:
-            self.cache.record_lookup(n, hit)
-        reuse, after, inherited = 0, None, None  # inherited: where the restored rows stop being exact
-        if chat is not None and lcp > 0 and lcp >= hit:
+        reuse, after, inherited, from_cache = 0, None, None, 0  # inherited: where the restored rows stop being exact
+        chained = None  # where the rows stop being those a run from position 0 computes (None: they all are)
+        # The session serves when it restores more rows than the cache and, of them, every row the cache
+        # would restore as a run from 0 computes them: its rows may be a placed (approximate) or an earlier
+        # turn's shifted calls' (rounding), where the cache's blocks are exact.
+        if chat is not None and lcp > hit and min(lcp, chat.chained) >= hit:
             pipe.restore_rows({spec.input: take_rows(chat.rows[spec.input], spec.seq_axis, 0, lcp)
                                for spec in pipe.kv}, 0)
             reuse = lcp
             inherited = chat.exact if chat.exact < lcp else None
+            # The calls after a prefix that ends within a chunk start there, not where a run from 0 starts
+            # them: the rows from the chunk boundary below it on agree with that run to rounding only.
+            boundary = lcp - lcp % pipe.lengths.chunk
+            if chat.chained < lcp or boundary < lcp:
+                chained = min(chat.chained, boundary)
         elif hit:
             for i, block in enumerate(blocks):
                 pipe.restore_rows(block.rows, i * self.cache.block_size)
             self.cache.use(blocks, retention, n)
-            reuse, after = hit, blocks[-1].origin
+            reuse, after, from_cache = hit, blocks[-1].origin, hit
+        if self.cache is not None:  # the tokens restored from its blocks: none when the session served
+            self.cache.record_lookup(n, from_cache)
         plan = None
         if self.chunks is not None and limit and media is None:
             B = self.cache.block_size
@@ -181,15 +197,19 @@ class CachedPipeline:
             gen.placed_tokens += reuse - inherited
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
         exact = min([gen.kv_rows, *(x for x in (inherited, plan.first if plan else None) if x is not None)])
+        chained = exact if chained is None else min(exact, chained)
         kept_tags = None if media is None else media.tags(gen.kv_rows)  # a generated token's: its positions' shift
         if self.cache is not None:
-            self.cache.store(sequence, exact, pipe.copy_rows, retention, n, kept_tags)
-            if exact < gen.kv_rows and media is None:  # a chunk store keys rows by ids alone
-                self.cache.store_approximate(sequence, exact, gen.kv_rows, pipe.copy_rows)
+            self.cache.store(sequence, chained, pipe.copy_rows, retention, n, kept_tags)
+            # the rest for chunk reuse (a chunk store keys rows by ids alone, so not with media), from the
+            # block the chained ones stop in; placed and so counted wherever chunk reuse finds them
+            if chained < gen.kv_rows and media is None and (self.chunks is not None or exact < gen.kv_rows):
+                B = self.cache.block_size
+                self.cache.store_approximate(sequence, chained - chained % B, gen.kv_rows, pipe.copy_rows)
         if chat is not None:
             chat.tokens = [int(t) for t in sequence]
             chat.rows = pipe.copy_rows(0, gen.kv_rows)
-            chat.exact, chat.tags = exact, kept_tags
+            chat.exact, chat.chained, chat.tags = exact, chained, kept_tags
         return gen
 
 

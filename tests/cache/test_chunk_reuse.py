@@ -148,6 +148,23 @@ def test_a_session_turn_over_placed_rows_counts_them_and_stores_none_under_a_cha
     assert [np.array_equal(a, b) for a, b in zip(again.logits, alone.logits)] == [True] * 3
 
 
+def test_exact_blocks_serve_a_turn_whose_session_rows_were_placed():
+    """A session's first turn placed D1 D2 (approximate); a request without chunk reuse then
+    stored D1 D2 exactly. The next turn, edited right after them, restored the session's 32
+    placed rows (approximate 32, other logits than its uncached run) although the cache held
+    the same 32 rows exact. Now the cache serves it: approximate 0, the uncached logits."""
+    d1, d2 = tokens(20, C), tokens(21, C)
+    pipe = served("llama", repair=0)
+    pipe.generate(tokens(22, C) + d1 + d2 + [1, 2, 3], 1)
+    pipe.start_chat("s")
+    assert pipe.generate(d1 + d2 + [4, 5, 6], 2, session="s").placed_tokens == 2 * C
+    CachedPipeline(pipe.pipeline, pipe.cache).generate(d1 + d2 + [7, 8, 9], 1)  # computed: exact D1 D2
+    history = d1 + d2 + [9, 9, 9, 9]
+    got, alone = pipe.generate(history, 3, session="s"), pipeline("llama").generate(history, 3)
+    assert (got.cached_tokens, got.placed_tokens) == (2 * C, 0)  # placed was 32
+    assert [np.array_equal(a, b) for a, b in zip(got.logits, alone.logits)] == [True] * 3
+
+
 def test_chunk_reuse_blocks_are_no_events_and_never_evict_the_requests_own_blocks():
     """A chunk-reuse block was a `stored` event without a parent (a first block, to a consumer
     of TensorRT-LLM's stream) under a key that is no chain's, and storing it evicted the block

@@ -221,3 +221,70 @@ def test_a_number_of_new_tokens_that_is_not_an_integer_is_refused():
         with pytest.raises(UsageError, match="the number of new tokens must be an integer, got"):
             served.generate([1, 2, 3], new_tokens)  # 2.5 gave 3 tokens
     assert len(served.generate([1, 2, 3], np.int64(2)).tokens) == 2
+
+
+def test_a_session_turn_within_a_chunk_stores_no_rows_of_shifted_calls_under_a_chained_key():
+    """A turn whose prefix with the session ends within a chunk (here C + 7) computes the rest
+    with calls that start there, not where a run from 0 starts them: its rows agree with that
+    run to rounding only. They were stored under chained keys, and a later request without a
+    session restored them as exact (cached 2C, approximate 0) with other logits than its
+    uncached run (OpenVINO CPU f32: 1e-6; bf16: 0.018). Now the chained blocks stop at the chunk
+    boundary below the prefix, and the request restores C rows and gives the uncached numbers."""
+    rng = np.random.default_rng(29)
+    ids = lambda k: [int(t) for t in rng.integers(1, 384, k)]  # noqa: E731
+    plain = pipeline("llama", "chunked", "openvino")
+    cache = PrefixCache(block_size=C, max_blocks=16)
+    served = CachedPipeline(pipeline("llama", "chunked", "openvino"), cache)
+    a = ids(3 * C)
+    served.start_chat("s")
+    served.generate(a, 2, session="s")
+    edited = a[:C + 7] + ids(2 * C)
+    turn = served.generate(edited, 2, session="s")
+    assert turn.cached_tokens == C + 7 and turn.tokens == plain.generate(edited, 2).tokens
+    assert not any(not b.exact for b in cache.blocks.values())  # no chunk reuse: nothing kept for it
+    later = edited[:2 * C] + ids(5)
+    got, expected = served.generate(later, NEW), plain.generate(later, NEW)
+    assert got.cached_tokens == C and got.placed_tokens == 0  # was 2C: the turn's shifted rows
+    assert [np.array_equal(x, y) for x, y in zip(got.logits, expected.logits)] == [True] * NEW
+    assert served.sessions["s"].chained == C  # the session's rows from C on are the turn's shifted calls'
+
+
+def test_exact_blocks_serve_a_turn_where_the_session_s_rows_are_not():
+    """After the turn within a chunk above, the session's rows from C on are its shifted
+    calls'; a request without the session stores exact blocks of the same history. The next
+    turn restored the session's 56 rows (to rounding); the cache's 48 exact rows serve it now,
+    and it gives the uncached numbers."""
+    rng = np.random.default_rng(3)
+    ids = lambda k: [int(t) for t in rng.integers(1, 384, k)]  # noqa: E731
+    plain = pipeline("llama", "chunked", "openvino")
+    cache = PrefixCache(block_size=C, max_blocks=16)
+    served = CachedPipeline(pipeline("llama", "chunked", "openvino"), cache)
+    a = ids(3 * C)
+    served.start_chat("s")
+    served.generate(a, 2, session="s")
+    edited = a[:C + 7] + ids(2 * C)
+    turn = served.generate(edited, 2, session="s")
+    served.generate(edited + [5], 1)  # no session: computed from 0, stores three exact blocks
+    history = edited + turn.tokens[:1] + [9, 9, 9]
+    got, expected = served.generate(history, NEW, session="s"), plain.generate(history, NEW)
+    assert got.cached_tokens == 3 * C  # was 3C + 8, the session's rows
+    assert [np.array_equal(x, y) for x, y in zip(got.logits, expected.logits)] == [True] * NEW
+    assert served.sessions["s"].chained == len(history) + NEW - 1  # its rows are exact again
+
+
+def test_hit_tokens_count_only_tokens_restored_from_the_cache():
+    """A turn the session serves restored nothing from the cache, but its matching blocks were
+    counted as hits (64 hit tokens where 32 were restored)."""
+    rng = np.random.default_rng(0)
+    a = [int(t) for t in rng.integers(1, 384, 40)]
+    cache = PrefixCache(block_size=C, max_blocks=16)
+    served = CachedPipeline(pipeline("llama", "chunked", "numpy"), cache)
+    served.generate(a, 2)  # stores two blocks
+    served.start_chat("s")
+    first = served.generate(a[:35], 3, session="s")
+    assert first.cached_tokens == 2 * C  # from the cache
+    second = served.generate(a[:35] + first.tokens + [5, 5], 3, session="s")
+    assert second.cached_tokens == 37  # from the session
+    stats = cache.stats
+    assert (stats.requests, stats.prompt_tokens, stats.hit_tokens) == (3, 40 + 35 + 40, 2 * C)
+    assert stats.hit_rate == 2 * C / 115
