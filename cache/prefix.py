@@ -185,9 +185,11 @@ def block_key(parent: str | None, tokens: Iterable[int], extra: bytes = b"") -> 
 class CacheStats:
     requests: int = 0
     prompt_tokens: int = 0  # tokens of the prompts looked up
-    hit_tokens: int = 0  # of them, restored from the cache
-    stored_blocks: int = 0
+    hit_tokens: int = 0  # of them, restored from the cache's chained blocks (a prefix hit)
+    stored_blocks: int = 0  # chained blocks: the `stored` and `removed` events' blocks
     evicted_blocks: int = 0
+    chunk_stored_blocks: int = 0  # chunk-reuse blocks (`store_approximate`): no events
+    chunk_evicted_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -196,7 +198,8 @@ class CacheStats:
     def to_dict(self) -> dict:
         return {"requests": self.requests, "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens,
                 "hit_rate": self.hit_rate, "stored_blocks": self.stored_blocks,
-                "evicted_blocks": self.evicted_blocks}
+                "evicted_blocks": self.evicted_blocks, "chunk_stored_blocks": self.chunk_stored_blocks,
+                "chunk_evicted_blocks": self.chunk_evicted_blocks}
 
 
 @dataclass
@@ -335,7 +338,7 @@ class PrefixCache:
             block = Block(key, None, span, rows, nbytes, DEFAULT_PRIORITY, None, now,
                           origin=(self.sequences, at), exact=False)
             self._add(block)
-            self.stats.stored_blocks += 1
+            self.stats.chunk_stored_blocks += 1
             added += 1
         return added
 
@@ -426,9 +429,11 @@ class PrefixCache:
                 del self.by_content[ck]
         if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children -= 1
-        self.stats.evicted_blocks += 1
-        if block.exact:  # a chunk-reuse block was no event (`store_approximate`)
+        if block.exact:
+            self.stats.evicted_blocks += 1
             self.events.emit("removed", block_hashes=(block.key,))
+        else:  # a chunk-reuse block was no event (`store_approximate`)
+            self.stats.chunk_evicted_blocks += 1
 
     def clear(self) -> None:
         """Evict every block (leaves first, so each removal event names a leaf)."""
@@ -437,7 +442,16 @@ class PrefixCache:
 
     # -- views -----------------------------------------------------------------------------
     def keys(self) -> list[str]:
+        """Every block's key, chunk-reuse blocks' too."""
         return list(self.blocks)
+
+    def chain_keys(self) -> list[str]:
+        """The chained blocks' keys: the set a replay of the events gives."""
+        return [k for k, b in self.blocks.items() if b.exact]
+
+    def chunk_keys(self) -> list[str]:
+        """The chunk-reuse blocks' (content) keys, which are no events (`store_approximate`)."""
+        return [k for k, b in self.blocks.items() if not b.exact]
 
     def get_latest_events(self, timeout: float | None = 0.0) -> list[KVCacheEvent]:
         return self.events.get_latest_events(timeout)

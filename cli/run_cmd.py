@@ -310,7 +310,9 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, as_json: bo
         from kvc.ir.writer import write_output
 
         write_output(events_path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in events).encode(), "KV events")
-    summary = {"blocks": cache.keys(), **cache.stats.to_dict()} if cache is not None else None
+    # "blocks": the chained blocks, the set the events replay to; chunk-reuse blocks apart (no events)
+    summary = ({"blocks": cache.chain_keys(), "chunk_blocks": cache.chunk_keys(), **cache.stats.to_dict()}
+               if cache is not None else None)
     if as_json:
         echo_json({"backend": backend, "requests": results, "cache": summary})
         return
@@ -321,9 +323,11 @@ def run_requests(out: Path, path: Path, backend: str, from_ir: bool, as_json: bo
                        f"{r['ttft_ms']:.1f}", "-" if r["tpot_ms"] is None else f"{r['tpot_ms']:.2f}")
                       for r in results]))
     if summary is not None:
+        chunk_blocks = (f" (and {len(summary['chunk_blocks'])} chunk-reuse blocks, "
+                        f"{summary['chunk_evicted_blocks']} evicted)" if chunk_reuse else "")
         click.echo(f"prefix cache: {len(summary['blocks'])} blocks, hit rate {summary['hit_rate']:.1%} "
                    f"({summary['hit_tokens']} of {summary['prompt_tokens']} prompt tokens), "
-                   f"{summary['evicted_blocks']} evicted")
+                   f"{summary['evicted_blocks']} evicted{chunk_blocks}")
     if chunk_reuse:
         placed = sum(r["approximate_tokens"] for r in results)
         click.echo(f"chunk reuse: {placed} prompt tokens placed from other positions (approximate: their rows were "

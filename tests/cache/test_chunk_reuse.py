@@ -265,6 +265,20 @@ def test_kvc_run_reports_approximate_tokens(tmp_path):
     text = kvc("run", out, "--requests", requests, "--prefix-cache", "--chunk-reuse").output
     assert "approx" in text and f"chunk reuse: {2 * C - 16} prompt tokens placed" in text
     assert "needs --prefix-cache" in kvc("run", out, "--requests", requests, "--chunk-reuse", code=2).output
+    # the summary's blocks are the chained ones, the set the events replay to; chunk-reuse blocks (no events)
+    # apart: "blocks", "stored_blocks" and "evicted_blocks" counted them, and a replay did not match
+    after = tmp_path / "after.jsonl"
+    after.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": 1}) + "\n"
+                             for p in [FIRST, tokens(10, C) + DOC + tokens(8, 2 * C) + [1]]))
+    events = tmp_path / "events.jsonl"
+    cache = json.loads(kvc("run", out, "--requests", after, "--prefix-cache", "--chunk-reuse", "--chunk-repair", "0",
+                           "--events", events, "--json").stdout)["cache"]
+    stored = [json.loads(line) for line in events.read_text().splitlines()]
+    replayed = {b["block_hash"] for e in stored if e["type"] == "stored" for b in e["blocks"]}
+    assert replayed == set(cache["blocks"]) and len(cache["blocks"]) == cache["stored_blocks"] == 3
+    assert len(cache["chunk_blocks"]) == cache["chunk_stored_blocks"] == 2 and not replayed & set(cache["chunk_blocks"])
+    text = kvc("run", out, "--requests", after, "--prefix-cache", "--chunk-reuse", "--chunk-repair", "0").output
+    assert "prefix cache: 3 blocks, " in text and "(and 2 chunk-reuse blocks, 0 evicted)" in text
     assert "go with --requests" in kvc("run", out, "--prompt-ids", "1,2", "--chunk-reuse", code=2).output
 
 
