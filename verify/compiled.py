@@ -921,7 +921,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
         if backend == "numpy":
             ir_runs = runs
     unread = check_directory(source, directory, manifest)  # what no probe reads (verify/weights.py)
-    unread["copies"] = check_copies(source, directory, manifest)
+    unread["copies"] = check_copies(source, directory, manifest, is_recorded_source)
     if experts is not None and "numpy" in backends:  # every expert's wiring, as the compile proves it
         unread["experts"] = _forced_experts(source, directory, manifest, cases, experts, reference_backend)
     elif experts is not None:  # said, not left out in silence (`--backends npu` dropped it unsaid)
@@ -933,7 +933,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
             "ok": all(r["ok"] for r in rows) and all(c["ok"] for c in unread.values()), "results": rows}
 
 
-def check_copies(source, directory, manifest: dict) -> dict:
+def check_copies(source, directory, manifest: dict, recorded: bool = True) -> dict:
     """The files the compile copied beside the models (the tokenizer's, config.json,
     generation_config.json, a text embeddings model: what `kvc run` reads to turn text into ids,
     to stop and to feed a vision-language model's rows, and what `kvc verify` reads for the
@@ -941,15 +941,21 @@ def check_copies(source, directory, manifest: dict) -> dict:
     hashes prove only that they are what the compile wrote. Every name of TOKENIZER_FILES
     found beside the source or in `directory` is compared, whatever the manifest's list says
     (a text embeddings model taken out of it was never compared, and verified OK): one on a
-    side alone is a mismatch, as the compile copies each the source has."""
+    side alone is a mismatch, as the compile copies each the source has. Against another
+    model than the `recorded` source (`kvc verify --against` a stateless export without a
+    tokenizer, say) such a file is not compared, and said: OUT's own are what its manifest
+    hashes (`check_files` refuses one it does not list)."""
     from kvc.export.manifest import TOKENIZER_FILES
     from kvc.ir.reader import resolve
 
     root = resolve(source).root
-    same = 0
+    same, alone = 0, []
     for name in TOKENIZER_FILES:
         theirs, ours = root / name, directory / name
         if not theirs.is_file() and not ours.is_file():
+            continue
+        if not recorded and not (theirs.is_file() and ours.is_file()):
+            alone.append(name)
             continue
         if not ours.is_file():
             return {"ok": False, "reason": f"{name} is beside the source model ({theirs}) but was not copied into "
@@ -959,8 +965,10 @@ def check_copies(source, directory, manifest: dict) -> dict:
         if not _same_bytes(theirs, ours):
             return {"ok": False, "reason": f"{name} differs from the source model's ({theirs})"}
         same += 1
-    return {"ok": True, "files": same, "reason": f"all {same} identical to the source model's" if same else
-            "none beside the source model, none copied"}
+    reason = f"all {same} identical to the source model's" if same else "none beside the source model, none copied"
+    if alone:
+        reason = f"{same} identical to the source model's; not compared, on one side alone: {', '.join(alone)}"
+    return {"ok": True, "files": same, "reason": reason}
 
 
 def _same_bytes(a: Path, b: Path, block: int = 1 << 22) -> bool:

@@ -783,12 +783,14 @@ def test_progress_is_a_bar_per_phase_on_a_terminal_and_plain_lines_elsewhere(tmp
     lines = term.getvalue().split("\n")
     assert lines[1].count("\r") == 2 and lines[1].endswith("[kvc] compiled for CPU [" + "#" * 24 + "] 2/2 generate-128")
     assert "[kvc] checking the CPU blobs [######..................] 1/4" in lines[2] and lines[3] == "[kvc] done"
-    # not a terminal: plain, counted lines (a chunk of 32 on any host: five probes, the two from
-    # position 0 and the three far ones, the generate variant's over empty rows and over a far
-    # past, each prefilled and decoded)
-    out = kvc("compile", "-o", tmp_path / "o", *SMALL, "--prefill-chunk-size", "32").output
-    for line in ("[kvc] compiled for CPU (2/2): generate-128", "[kvc] verifying: probes on kvc's numpy runtime (5/5)",
-                 "[kvc] checking the CPU blobs (10/10)"):
+    # not a terminal: plain, counted lines (a chunk of 32 after a first chunk of 32 static rows, on
+    # any host: seven probes, the two from position 0, the chunk's and the first chunk's pad
+    # probes, and the three far ones, the generate variant's over empty rows and over a far past,
+    # each prefilled and decoded)
+    out = kvc("compile", "-o", tmp_path / "o", *SMALL, "--prefill-chunk-size", "32", "--prefill-first", "32",
+              "--prefill-first-rows", "static").output
+    for line in ("[kvc] compiled for CPU (2/2): generate-128", "[kvc] verifying: probes on kvc's numpy runtime (7/7)",
+                 "[kvc] checking the CPU blobs (14/14)"):
         assert line in out
 
 
