@@ -223,14 +223,11 @@ def test_a_number_of_new_tokens_that_is_not_an_integer_is_refused():
     assert len(served.generate([1, 2, 3], np.int64(2)).tokens) == 2
 
 
-def test_a_session_turn_within_a_chunk_stores_no_rows_of_shifted_calls_under_a_chained_key():
-    """A turn whose prefix with the session ends within a chunk (here C + 7) computes the rest
-    with calls that start there, not where a run from 0 starts them: its rows agree with that
-    run to rounding only. They were stored under chained keys, and a later request without a
-    session restored them as exact (cached 2C, approximate 0) with other logits than its
-    uncached run (OpenVINO CPU f32: 1e-6; bf16: 0.018). Now the chained blocks stop at the chunk
-    boundary below the prefix, and the request restores C rows and gives the uncached numbers."""
-    rng = np.random.default_rng(29)
+def _turn_within_a_chunk(seed: int):
+    """Session "s" over llama's chunked pipeline on OpenVINO CPU with a 16-block cache: a turn
+    of 3C tokens, then one whose prefix with it ends within a chunk (C + 7). Returns the id
+    maker, a plain pipeline, the cache, the served pipeline, the second turn's prompt and run."""
+    rng = np.random.default_rng(seed)
     ids = lambda k: [int(t) for t in rng.integers(1, 384, k)]  # noqa: E731
     plain = pipeline("llama", "chunked", "openvino")
     cache = PrefixCache(block_size=C, max_blocks=16)
@@ -239,7 +236,17 @@ def test_a_session_turn_within_a_chunk_stores_no_rows_of_shifted_calls_under_a_c
     served.start_chat("s")
     served.generate(a, 2, session="s")
     edited = a[:C + 7] + ids(2 * C)
-    turn = served.generate(edited, 2, session="s")
+    return ids, plain, cache, served, edited, served.generate(edited, 2, session="s")
+
+
+def test_a_session_turn_within_a_chunk_stores_no_rows_of_shifted_calls_under_a_chained_key():
+    """A turn whose prefix with the session ends within a chunk (here C + 7) computes the rest
+    with calls that start there, not where a run from 0 starts them: its rows agree with that
+    run to rounding only. They were stored under chained keys, and a later request without a
+    session restored them as exact (cached 2C, approximate 0) with other logits than its
+    uncached run (OpenVINO CPU f32: 1e-6; bf16: 0.018). Now the chained blocks stop at the chunk
+    boundary below the prefix, and the request restores C rows and gives the uncached numbers."""
+    ids, plain, cache, served, edited, turn = _turn_within_a_chunk(29)
     assert turn.cached_tokens == C + 7 and turn.tokens == plain.generate(edited, 2).tokens
     assert not any(not b.exact for b in cache.blocks.values())  # no chunk reuse: nothing kept for it
     later = edited[:2 * C] + ids(5)
@@ -254,16 +261,7 @@ def test_exact_blocks_serve_a_turn_where_the_session_s_rows_are_not():
     calls'; a request without the session stores exact blocks of the same history. The next
     turn restored the session's 56 rows (to rounding); the cache's 48 exact rows serve it now,
     and it gives the uncached numbers."""
-    rng = np.random.default_rng(3)
-    ids = lambda k: [int(t) for t in rng.integers(1, 384, k)]  # noqa: E731
-    plain = pipeline("llama", "chunked", "openvino")
-    cache = PrefixCache(block_size=C, max_blocks=16)
-    served = CachedPipeline(pipeline("llama", "chunked", "openvino"), cache)
-    a = ids(3 * C)
-    served.start_chat("s")
-    served.generate(a, 2, session="s")
-    edited = a[:C + 7] + ids(2 * C)
-    turn = served.generate(edited, 2, session="s")
+    ids, plain, cache, served, edited, turn = _turn_within_a_chunk(3)
     served.generate(edited + [5], 1)  # no session: computed from 0, stores three exact blocks
     history = edited + turn.tokens[:1] + [9, 9, 9]
     got, expected = served.generate(history, NEW, session="s"), plain.generate(history, NEW)
