@@ -294,7 +294,10 @@ def _pad_probes(plan, cases: list[Probe]) -> list[tuple[int, int]]:
     chunk of dynamic rows wrong only for 8 to F - 1 rows, both published
     (tests/mutation: `chunk_pad_slot_attended`, `first_dynamic_rows_8_up`); at the CPU's bf16
     default a 100-token prompt runs the first chunk of 128 with 28 pad rows, which no probe
-    ran. A first chunk runs its prompt from position 0; a chunk model runs from P - size (a
+    ran; an unchunked prefill (the NPU's default) ran only its P - 1 token probe, and one
+    attending the slot 9 before the end of its mask (a pad for prompts of 8 tokens or fewer)
+    was published (`prefill_pad_slot_attended`). A first chunk, and an unchunked prefill,
+    runs its prompt from position 0; a chunk model runs from P - size (a
     call it can make: its past is P - size slots), alone, over empty rows: a pad row it
     attends then weighs as much as its real ones (`chunk_pad_slot_attended` in the bf16
     blobs alone: over a far past of 48 rows NRMSE 0.0055, within the bound of 3x the plugin's
@@ -302,8 +305,9 @@ def _pad_probes(plan, cases: list[Probe]) -> list[tuple[int, int]]:
     0.026)."""
     from kvc.runtime.static_pipeline import prefill_calls
 
-    if not plan.chunk:
-        return []
+    if not plan.chunk:  # the whole prompt in one call of P rows: the fewest is 1 token, P - 1 pad rows
+        shortest = min((len(p.prompt) for p in cases if not p.decode and not p.origin), default=plan.prompt)
+        return [(0, 1)] if shortest > 1 else []
     sizes = (plan.chunk, *plan.bulk)
 
     def calls(origin: int, n: int):
@@ -635,13 +639,15 @@ def judge_same_quantization(widened, quantized, got, kv) -> dict:
 ROUNDING_FACTOR = 1.5  # `judge_same_quantization`'s bound, a multiple of int8's own rounding on the probe
 
 
-def quantized_reference(directory, manifest: dict, cases, on_case=None):
+def quantized_reference(directory, manifest: dict, cases, on_case=None, widen: bool = False):
     """The IR's runs over its int8 cache as stored (`ir_generations(widen=False)`), which runs
-    in f32 arithmetic over it are judged against (`same_quantization`): kept once made, for
-    every device and backend that needs them. Against the widened IR such runs differ by int8's
-    own rounding (NRMSE about 1e-3, steps to 0.04 on the zoo), int8's fixed bounds (0.05, 0.25)
-    took it, and blob-only faults of o_proj 3% to 30%, the attention's scale 1%, RoPE's
-    frequencies 0.1% were published in exact CPU blobs and the NPU's (a red-team review)."""
+    in f32 arithmetic over it are judged against (`same_quantization`): made when first asked
+    for and kept, for every device and backend that needs them (with `widen`, the widened IR's
+    runs, the other side of `judge_same_quantization`, for `kvc verify` without its numpy
+    backend). Against the widened IR such runs differ by int8's own rounding (NRMSE about 1e-3,
+    steps to 0.04 on the zoo), int8's fixed bounds (0.05, 0.25) took it, and blob-only faults of
+    o_proj 3% to 30%, the attention's scale 1%, RoPE's frequencies 0.1% were published in exact
+    CPU blobs and the NPU's (a red-team review)."""
     from kvc.runtime.ops import products
 
     made = []
@@ -649,7 +655,7 @@ def quantized_reference(directory, manifest: dict, cases, on_case=None):
     def gens():
         if not made:
             with products.pooled():  # the same numbers however many cores BLAS may take (the compile's check)
-                made.append(ir_generations(directory, manifest, cases, on_case, widen=False))
+                made.append(ir_generations(directory, manifest, cases, on_case, widen=widen))
         return made[0]
     return gens
 
@@ -873,13 +879,14 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     del ref
     ir_runs = None  # the numpy backend's runs (first), which the other backends are judged against
     quantized = quantized_reference(directory, manifest, cases)
+    widened_ir = quantized_reference(directory, manifest, cases, widen=True)  # without the numpy backend
     for backend in sorted(backends, key=lambda b: b != "numpy"):
         config, widened = configs[backend], backend == "numpy" and exact
         against_ir = ir_runs is not None  # as the compile's blob check, rows too
         exacts = ir_runs if against_ir else references
         unrounded = None  # as the compile's blob check: against the IR over the same int8 cache
-        if against_ir and same_quantization(kv_types, selecting, backend, config):
-            unrounded, exacts = ir_runs, quantized()
+        if backend != "numpy" and same_quantization(kv_types, selecting, backend, config):
+            unrounded, exacts = ir_runs if against_ir else widened_ir(), quantized()
         narrow_policy = rounding_policy(kv_types, selecting, backend, config) if not widened else None
         if against_ir:
             policy = blob_policy(kv_types, selecting, backend, config)

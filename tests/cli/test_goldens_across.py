@@ -93,3 +93,25 @@ def test_a_router_may_flip_an_expert_on_at_most_a_quarter_of_the_prompts():
     nan = [{"ok": False, "reason": "3 non-finite logit(s)"}, *rows(True, True, True)]
     _few_routers_flipped(nan)
     assert not nan[0]["ok"]
+
+
+def test_int8_goldens_recorded_over_the_stored_cache_are_checked_over_it(tmp_path, monkeypatch):
+    """numpy goldens of an int8 compile recorded over the cache as stored (kvc before
+    2026-11-29, whose numpy backend did not widen an int8 cache) are checked over it: checked
+    widened, int8's own rounding drifted past their bound (0.0121 > 0.01) on the unchanged
+    directory. An o_proj 30% too large in the IR still fails them."""
+    import kvc.verify.compiled as compiled
+
+    out, goldens = tmp_path / "out", tmp_path / "goldens.json"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--kv-precision", "int8")
+    with monkeypatch.context() as older:
+        older.setattr(compiled, "widens", lambda kv_types: "i8" not in kv_types and any(
+            t in ("f16", "bf16") for t in kv_types))
+        kvc("verify", out, "--record", goldens, "--backends", "numpy")
+    assert json.loads(goldens.read_text())["kv_element_type"] == "i8"
+    report = json.loads(kvc("verify", out, "--goldens", goldens, "--backends", "numpy", "--json").stdout)
+    assert report["ok"] and all(row["bound"] == 1e-2 for row in report["results"]), report
+    applied = apply("gen_o_proj_3e1", monkeypatch.setattr, monkeypatch.setenv, "ir")
+    kvc("compile", fixtures.path("llama"), "-o", tmp_path / "bad", *SMALL, "--kv-precision", "int8", "--no-verify")
+    assert applied.edits
+    kvc("verify", tmp_path / "bad", "--goldens", goldens, "--backends", "numpy", code=4)

@@ -57,10 +57,11 @@ def test_layout_and_manifest(compiled):
     assert set(m["source"]["sha256"]) == {"openvino_model.xml", "openvino_model.bin"}
     assert set(m["files"]) == {n for n in names if n not in ("manifest.json", "dumps")}
     assert m["verification"]["ok"] and all(r["first_divergent_token"] is None for r in m["verification"]["results"])
-    # an unchunked prefill has one path: one prompt for it (a second was a second P-row prefill), one to switch
-    assert [(r["prompt_tokens"], r.get("from_position")) for r in m["verification"]["results"]] == [
-        (63, None), (7, None), (64, None), (1, 78), (1, 78), (1, 126), (1, 126)]  # the far probes: each variant's last
+    # an unchunked prefill has one path: a prompt for its positions (P - 1 tokens), one for its
+    # pad rows (1 token: the pad probe), one to switch; then the far probes: each variant's last
     # two positions, over empty rows and over a far past
+    assert [(r["prompt_tokens"], r.get("from_position")) for r in m["verification"]["results"]] == [
+        (63, None), (7, None), (64, None), (1, None), (1, 78), (1, 78), (1, 126), (1, 126)]
     assert (compiled / "dumps" / "prefill" / "index.json").exists()
 
 

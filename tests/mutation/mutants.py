@@ -310,6 +310,19 @@ def chunk_pad_slot_attended(name, model):
 
 
 @mutant
+def prefill_pad_slot_attended(name, model):
+    """the unchunked prefill model (the NPU's default): every row attends the slot 9 before the
+    end of its mask, a pad of every prompt of 8 tokens or fewer (its P - 1 token probe leaves
+    only slot 0 a pad)."""
+    if not unchunked_prefill(name, model):
+        return 0
+    m = port(model, "attention_mask")
+    row = np.zeros((1, m.get_partial_shape()[1].get_length()), np.int64)
+    row[0, -9] = 1
+    return reroute(m, lambda x: ops.maximum(x, i64(row)))
+
+
+@mutant
 def large_first_pad_row_attended(name, model):
     """a first chunk of 64 static rows or more: its first slot (a pad row of every shorter
     prompt) attended by every row. At the CPU's bf16 default the first chunk of 128 runs

@@ -28,6 +28,7 @@ CHUNKS = {"chunk_past_beyond_C_ignored": ("--prefill-chunk-size", "16"),
           # the NPU's default prefill: the prompt at once
           "prefill_positions_clamped_33": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
           "prefill_pad_row_attended": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
+          "prefill_pad_slot_attended": ("--prefill-chunk-size", "0", "--prefill-first", "0"),
           # a first chunk of 64 static rows, one of dynamic rows, whatever the host's default
           "large_first_pad_row_attended": ("--max-prompt-len", "256", "--prefill-chunk-size", "16,128",
                                            "--prefill-first", "16,128", "--prefill-first-rows", "static"),
@@ -52,6 +53,7 @@ REFUSED = [  # (mutant, fixture, where, device, the refusal)
     ("prefill_pad_row_attended", "llama", "ir", "CPU", IR_CHECK),
     # calls with more pad rows or other row counts than the probes' lengths gave: published before the pad probes
     ("chunk_pad_slot_attended", "llama", "ir", "CPU", IR_CHECK),
+    ("prefill_pad_slot_attended", "llama", "ir", "CPU", IR_CHECK),  # the NPU's default form: unchunked
     ("chunk_pad_slot_attended", "llama", "blob", "CPU", "the CPU blobs do not reproduce the static IR"),
     ("large_first_pad_row_attended", "llama", "ir", "CPU", IR_CHECK),
     ("first_dynamic_rows_8_up", "llama", "ir", "CPU", IR_CHECK),
@@ -256,7 +258,9 @@ def test_kvc_verify_judges_exact_blobs_over_an_int8_cache_by_its_own_rounding(tm
     """Exact CPU blobs over an int8 cache, layer 1's o_proj 30% too large in the blobs alone:
     against the widened IR by int8's fixed bounds `kvc verify` said OK; against the IR over the
     same int8 cache, bounded by int8's own rounding on each probe (`judge_same_quantization`),
-    it refuses them on the openvino backend, and its numpy backend, widened, stays exact."""
+    it refuses them on the openvino backend, and its numpy backend, widened, stays exact; and
+    with `--backends openvino` alone (judged against the source by int8's fixed bounds, it said
+    OK, a flipped token at margin 0.615 excused as a near-tie)."""
     import json
 
     applied = apply("gen_o_proj_3e1", monkeypatch.setattr, monkeypatch.setenv, "blob")
@@ -267,3 +271,6 @@ def test_kvc_verify_judges_exact_blobs_over_an_int8_cache_by_its_own_rounding(tm
     report = json.loads(kvc("verify", out, "--json", code=4).stdout.split("\nkvc: error")[0])
     assert {r["backend"] for r in report["results"] if not r["ok"]} == {"openvino"}
     assert all("int8's own rounding" in r["reason"] for r in report["results"] if r["backend"] == "openvino")
+    # without the numpy backend too: the IR's runs are then made as references alone
+    alone = json.loads(kvc("verify", out, "--json", "--backends", "openvino", code=4).stdout.split("\nkvc: error")[0])
+    assert not all(r["ok"] for r in alone["results"]) and {r["backend"] for r in alone["results"]} == {"openvino"}
