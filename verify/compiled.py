@@ -116,6 +116,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     started on it and BULK_TOKENS: one step on it (a variant of four that no probe reached was
     published with its past values halved).
 
+    The pad probes (`_pad_probes`, before the far probes) run each prefill model with the
+    fewest tokens the runtime ever gives it, so with its most pad rows, where no probe above
+    does; their prompts come from a stream of their own, so the others stay as they were.
+
     A sliding `window` (the model's config.json) that the capacity exceeds gets a probe from
     position 0 whose last step attends past it, unless one above does: min(P, W + 9) tokens,
     decoded on to position W + 2 at least (far probes start over empty rows, which no window
