@@ -85,12 +85,6 @@ def common_prefix(a, b, tags_a: np.ndarray | None = None, tags_b: np.ndarray | N
     return int(diff[0]) if diff.size else n
 
 
-def prompt_array(prompt) -> np.ndarray:
-    """The prompt's token ids (`kvc.runtime.static_pipeline.token_ids`: floats, bools, strings
-    and nested lists are refused, never truncated or flattened)."""
-    return token_ids(prompt)
-
-
 def check_fits(pipe: StaticPipeline, prompt: np.ndarray, new_tokens: int, session: str | None) -> None:
     """`StaticPipeline.check_fits`; a session's turn (its whole history) that no longer fits
     says so."""
@@ -137,7 +131,7 @@ class CachedPipeline:
                  session: str | None = None, sampling=None, on_token=None,
                  media: Media | None = None) -> StaticGeneration:
         pipe = self.pipeline
-        prompt = prompt_array(prompt)
+        prompt = token_ids(prompt)
         chat = None
         if session is not None:
             chat = self.sessions.get(session)
@@ -280,7 +274,7 @@ def preflight(pipe: CachedPipeline, entries, encode=None, source: str = "<reques
                 if encode is None:
                     raise UsageError("a text prompt needs the model's tokenizer")
                 ids = encode(entry.prompt)
-            prompt = prompt_array(ids)
+            prompt = token_ids(ids)
             check_fits(pipe.pipeline, prompt, entry.max_new_tokens, entry.session)
             if entry.retention is not None:
                 entry.retention.check(len(prompt))

@@ -224,7 +224,7 @@ class StaticPipeline:
         P, C, n = self.lengths.prompt, self.lengths.chunk, len(prompt)
         if not C:  # the whole prompt in one call over no past, as a first chunk of P rows is
             calls = [Call(0, n, P, True)]
-        elif not start and media is not None and media.spans and self.prefill.has_input("token_type_ids"):
+        elif not start and self.both_ways(media):
             calls = media_calls(self.lengths, n, media.end)
         else:
             calls = prefill_calls(start, n, skip, P, (C, *self.lengths.bulk), self.lengths.first,
@@ -262,8 +262,13 @@ class StaticPipeline:
         fit the prompt or the model (`Media.check`), or, for a model that reads
         `token_type_ids`, media no first prefill call holds (`media_calls`)."""
         media.check(n, getattr(self.prefill, "embed", None))
-        if media.spans and self.lengths.chunk and self.prefill.has_input("token_type_ids"):
+        if self.lengths.chunk and self.both_ways(media):
             media_calls(self.lengths, n, media.end)
+
+    def both_ways(self, media: Media | None) -> bool:
+        """Whether `media` hold an image this model lets attend itself both ways, which only a
+        prefill call over no past computes (it reads `token_type_ids`: Gemma 3; `Media`)."""
+        return media is not None and bool(media.spans) and self.prefill.has_input("token_type_ids")
 
     def keeps(self, n: int, reuse: int, media: Media | None) -> bool:
         """Whether an `n`-token prompt with `media` may restore the rows of its first `reuse`
@@ -273,7 +278,7 @@ class StaticPipeline:
         where a call cannot start at `reuse`, `prefill_calls`). Such a prompt restores
         nothing; the first call holds its media (`media_calls`)."""
         L = self.lengths
-        if not reuse or media is None or not media.spans or not self.prefill.has_input("token_type_ids"):
+        if not reuse or not self.both_ways(media):
             return True
         return L.chunk > 0 and all(call.begin >= media.end for call in prefill_calls(
             reuse, n, (), L.prompt, (L.chunk, *L.bulk), L.first, L.first_dynamic))

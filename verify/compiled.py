@@ -317,14 +317,10 @@ def _pad_probes(plan, cases: list[Probe]) -> list[tuple[int, int]]:
     def calls(origin: int, n: int):
         return list(prefill_calls(origin, n, (), plan.prompt, sizes, plan.first, plan.first_dynamic))
 
-    def counts(origin: int, n: int) -> dict:
-        return {(c.size, c.first): c.end - c.begin for c in calls(origin, n)}
-
     fewest, ran = {}, {}
     for n in range(1, plan.prompt + 1):
-        for model, k in counts(0, n).items():
-            fewest.setdefault(model, k)
-            fewest[model] = min(fewest[model], k)
+        for c in calls(0, n):
+            fewest[c.size, c.first] = min(fewest.get((c.size, c.first), c.end - c.begin), c.end - c.begin)
     for probe in cases:
         if not probe.decode:
             for c in calls(probe.origin, probe.origin + len(probe.prompt)):
@@ -624,8 +620,8 @@ def judge_same_quantization(widened, quantized, got, kv) -> dict:
     NPU's, P 64) were at most 0.82x int8's own rounding on a probe (bloom's NPU blobs, step
     error; NRMSE 0.76x), hence ROUNDING_FACTOR; layer 1's o_proj 3% too large showed 1.7x to
     4x on llama's probes, the attention's scale 1% off 2.5x, RoPE's frequencies 0.1% off 4.9x,
-    each on some probe: refused (in the NPU blobs the scale's fault passes). Fixed bounds cannot tell them apart: rounding moves xglm's
-    probes 6x llama's."""
+    each on some probe: refused (in the NPU blobs the scale's fault passes). Fixed bounds
+    cannot tell them apart: rounding moves xglm's probes 6x llama's."""
     from kvc.runtime.compare import compare_generations
     from kvc.verify.peer_drift import NRMSE_FLOOR, STEP_FLOOR
 
