@@ -1,6 +1,6 @@
 """Build the static model set of a pipeline: one prefill model and sized generate variants.
 
-    loaded model ──common passes (lift-state, dense-experts, rotate-half-rope; or --passes)──► lifted
+    loaded model ──common passes (kvc.passes.DEFAULT_PIPELINE, or --passes)──► lifted
                     ├─ static-shape{prefill}    → tail ─► "prefill" (chunk C)
                     ├─ static-shape{prefill B}  → tail ─► "prefill-B" (per bulk chunk B)
                     ├─ static-shape{prefill F, no chunk} → tail ─► "first-F" (per first chunk F)
@@ -43,6 +43,7 @@ from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
 from kvc.passes.mlp_rows import MlpRows
 from kvc.passes.pin_rows import PinRows
+from kvc.passes.relative_alibi import RelativeAlibi
 from kvc.passes.rotate_half_rope import RotateHalfRope
 from kvc.passes.static_shape import StaticShape
 from kvc.passes.unmask_pad_rows import UnmaskPadRows
@@ -62,9 +63,9 @@ class StaticModels:
 
 def common_passes(options: StaticOptions) -> list[Pass]:
     """The passes run once on the loaded model: `--passes` as typed, else lift-state,
-    dense-experts and rotate-half-rope (kvc.passes.DEFAULT_PIPELINE)."""
+    dense-experts, rotate-half-rope and relative-alibi (kvc.passes.DEFAULT_PIPELINE)."""
     return parse_pipeline(options.passes) if options.passes else [LiftState(beam=options.beam), DenseExperts(),
-                                                                  RotateHalfRope()]
+                                                                  RotateHalfRope(), RelativeAlibi()]
 
 
 def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:

@@ -14,13 +14,13 @@ from kvc.passes.framework.manager import Instrumentation, PassManager, PipelineR
 from kvc.passes.framework.registry import format_pipeline, get_pass, parse_pipeline, registered
 
 PASS_MODULES = ("lift_state", "dense_experts", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io",
-                "mask_positions", "unmask_pad_rows", "group_attention", "rotate_half_rope", "mlp_rows",
-                "pin_rows")
+                "mask_positions", "unmask_pad_rows", "group_attention", "rotate_half_rope", "relative_alibi",
+                "mlp_rows", "pin_rows")
 
 # What `kvc compile` runs before static shaping: lift the state into inputs/outputs, give MoE
-# expert blocks a static shape, and write split-halves rotary as rotate-half (both no-ops on
-# models without the pattern).
-DEFAULT_PIPELINE = "lift-state,dense-experts,rotate-half-rope"
+# expert blocks a static shape, write split-halves rotary as rotate-half and measure ALiBi
+# positions from the newest token (each a no-op on models without the pattern).
+DEFAULT_PIPELINE = "lift-state,dense-experts,rotate-half-rope,relative-alibi"
 
 
 @functools.cache
