@@ -9,7 +9,13 @@ the recording run's bound and the checking run's (goldens recorded from bf16 CPU
 on the exact numpy runtime carry the recording's rounding); checked at another arithmetic than
 the recording's, below f32, at least 3x the plugin's own drift on the source model (`check`); a
 NaN or Inf anywhere in the logits fails, and is never recorded. The file names the kvc and
-OpenVINO versions and the backend and arithmetic that recorded it.
+OpenVINO versions and the backend and arithmetic that recorded it, and what it was recorded
+from (`identity`): the source model's weights and the compiled directory. Goldens of other
+weights are refused (`bad-goldens`: record them again); checked on the directory that
+recorded them, the arithmetic the file names must be the one that directory runs that backend
+at (an edited file named bf16 to take bf16's looser bound). The scale of a bf16 bound is the
+largest recorded logit of the steps a check compares (a logit recorded after a changed token
+is never compared, and set no bound).
 
 The numpy backend runs widened (`kvc.verify.compiled.widens`), as `kvc verify` and the
 compile's check run it: its answer is the IR's exact one, recorded with an f32 cache and judged
@@ -20,6 +26,7 @@ passed them (drift 0.0075) that `kvc verify --backends numpy` refused (0.0077 > 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -62,6 +69,16 @@ def _open(directory: Path, manifest: dict, backend: str, from_ir: bool, recorded
     return pipe, _kv_type(manifest, backend, recorded)
 
 
+def identity(manifest: dict) -> dict:
+    """What goldens are recorded from: the source's weights (the sha256 of each file the
+    manifest records of it but the IR's .xml, which another export of the same weights may
+    word differently) and the compiled directory (a digest of its files' sha256s)."""
+    files = json.dumps({name: entry["sha256"] for name, entry in sorted(manifest["files"].items())})
+    return {"source_weights": {name: digest for name, digest in sorted(manifest["source"]["sha256"].items())
+                               if not name.endswith(".xml")},
+            "directory": hashlib.sha256(files.encode()).hexdigest()}
+
+
 def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int = 16, from_ir: bool = False) -> dict:
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -82,7 +99,7 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
         entries.append({"ids": [int(t) for t in prompt], "tokens": gen.tokens, "top_logits": steps})
     data = {"format": FORMAT, "kvc_version": __version__, "openvino_version": openvino_version(),
             "backend": backend, "inference_precision": config.get("INFERENCE_PRECISION_HINT"),  # None: numpy's exact
-            "kv_element_type": kv_type, "prompts": entries}
+            "kv_element_type": kv_type, "from_ir": from_ir, "recorded_from": identity(manifest), "prompts": entries}
     write_output(path, (json.dumps(data, indent=1) + "\n").encode(), "goldens")
     return data
 
@@ -92,16 +109,18 @@ def record(directory, path, prompts, *, backend: str = "numpy", new_tokens: int 
 _MANTISSA_BITS = {"bf16": 7, "f16": 10}
 
 
-def drift_bound(data: dict, backend: str, config: dict, kv_type: str | None = None) -> float:
+def drift_bound(data: dict, backend: str, config: dict, kv_type: str | None = None, steps=None) -> float:
     """How far a checked logit may drift from its recorded value: 1e-4 on an exact path; 1e-2
     on a reduced one (f16 KV, the NPU plugin), or two units in the last place at the largest
-    recorded |logit| where the arithmetic itself is bf16 or f16 (REFERENCE.md §7: bf16 near 18
-    has a unit of 0.125), whichever is larger. `kv_type`: the run's cache (default: the
-    recording's)."""
+    recorded |logit| of `steps` (default: every recorded step; a check gives the steps it
+    compares) where the arithmetic itself is bf16 or f16 (REFERENCE.md §7: bf16 near 18 has a
+    unit of 0.125), whichever is larger. `kv_type`: the run's cache (default: the recording's)."""
     if not reduced_precision([kv_type or data["kv_element_type"]], backend, config):
         return 1e-4
     bits = _MANTISSA_BITS.get(config.get("INFERENCE_PRECISION_HINT"))
-    scale = max((abs(v) for e in data["prompts"] for step in e["top_logits"] for _, v in step), default=0.0)
+    if steps is None:
+        steps = [step for e in data["prompts"] for step in e["top_logits"]]
+    scale = max((abs(v) for step in steps for _, v in step), default=0.0)
     if bits is None or scale <= 0:
         return 1e-2
     return max(1e-2, 2.0 * 2.0 ** (np.floor(np.log2(scale)) - bits))
@@ -115,6 +134,32 @@ def _recorded_config(data: dict, manifest: dict, from_ir: bool) -> dict:
     if data.get("inference_precision") is not None:
         config["INFERENCE_PRECISION_HINT"] = data["inference_precision"]
     return config
+
+
+def _check_recorded_from(data: dict, path, directory: Path, manifest: dict) -> None:
+    """Goldens recorded from other weights are refused; on the directory that recorded them,
+    the arithmetic they name must be that directory's for their backend (module docstring).
+    A file without `recorded_from` (kvc before 2026-11-29) is taken as it says."""
+    recorded = data.get("recorded_from")
+    if recorded is None:
+        return
+    here = identity(manifest)
+    if recorded.get("source_weights") != here["source_weights"]:
+        raise InvalidModelError("bad-goldens", str(path), f"the goldens were recorded from other weights than "
+                                f"{directory} was compiled from (record them again if the model changed)",
+                                expected=json.dumps(here["source_weights"])[:160],
+                                found=json.dumps(recorded.get("source_weights"))[:160])
+    if recorded.get("directory") != here["directory"]:
+        return  # another compile of the same weights: the file's arithmetic is the recording's
+    backend, from_ir = data["backend"], bool(data.get("from_ir"))
+    config = backend_config(manifest, backend, from_ir=from_ir) or {}
+    runs_at = (config.get("INFERENCE_PRECISION_HINT"), _kv_type(manifest, backend))
+    says = (data.get("inference_precision"), data["kv_element_type"])
+    if says != runs_at:
+        raise InvalidModelError("bad-goldens", str(path), f"the goldens name an arithmetic {directory}, which "
+                                f"recorded them, does not run {backend} at (edited?)",
+                                expected=f"inference precision {runs_at[0]}, cache {runs_at[1]}",
+                                found=f"inference precision {says[0]}, cache {says[1]}")
 
 
 def _at(tokens, i):
@@ -144,6 +189,20 @@ def load_goldens(path) -> dict:
     if data.get("inference_precision") not in (None, "f32", *_MANTISSA_BITS):  # absent before 2026-11-28
         raise InvalidModelError("bad-goldens", str(path), "the goldens name an arithmetic kvc does not know",
                                 expected="f32, bf16, f16 or null", found=str(data.get("inference_precision"))[:80])
+    if data["backend"] == "numpy" and data.get("inference_precision") is not None:
+        raise InvalidModelError("bad-goldens", str(path), "the goldens name numpy at a reduced arithmetic, and "
+                                "numpy runs exact", expected="inference precision null",
+                                found=str(data["inference_precision"]))
+    recorded = data.get("recorded_from")  # absent before 2026-11-29
+    if recorded is not None and not (isinstance(recorded, dict) and isinstance(recorded.get("directory"), str)
+                                     and isinstance(recorded.get("source_weights"), dict)
+                                     and all(isinstance(v, str) for v in recorded["source_weights"].values())):
+        raise InvalidModelError("bad-goldens", str(path), "the goldens do not say what recorded them",
+                                expected='{"source_weights": {file: sha256}, "directory": sha256}',
+                                found=json.dumps(recorded)[:80])
+    if not isinstance(data.get("from_ir", False), bool):
+        raise InvalidModelError("bad-goldens", str(path), "the goldens do not say whether the IR recorded them",
+                                expected="true or false", found=json.dumps(data.get("from_ir"))[:80])
     for i, entry in enumerate(data["prompts"]):
         if not _entry_ok(entry):
             raise InvalidModelError("bad-goldens", str(path), f"prompt {i} is not a recorded prompt",
@@ -292,10 +351,10 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False,
         if beyond:
             raise InvalidModelError("bad-goldens", str(path), f"prompt {i} holds token id {beyond[0]}, past the "
                                     f"model's vocabulary", expected=f"ids below {vocab}", found=str(beyond[0]))
+    _check_recorded_from(data, path, directory, manifest)
     recorded_kv = data["kv_element_type"]
     config, kv_type = backend_config(manifest, backend, from_ir=from_ir) or {}, _kv_type(manifest, backend, recorded_kv)
     recorded_config = _recorded_config(data, manifest, from_ir)
-    atol = max(drift_bound(data, data["backend"], recorded_config), drift_bound(data, backend, config, kv_type))
     sides = _peer_sides((data["backend"], recorded_config, data["kv_element_type"]), (backend, config, kv_type))
     noise = None
     if sides:  # one engine in memory at a time: the source's runs before the pipeline opens
@@ -309,9 +368,12 @@ def check(directory, path, *, backend: str | None = None, from_ir: bool = False,
     rows = []
     for i, entry in enumerate(data["prompts"]):
         gen = pipe.generate(entry["ids"], len(entry["tokens"]), sampling=JUDGED)
+        div = first_divergence(entry["tokens"], gen.tokens)
+        compared = entry["top_logits"][:None if div is None else div + 1]  # the steps judge_entry compares
+        atol = max(drift_bound(data, data["backend"], recorded_config, steps=compared),
+                   drift_bound(data, backend, config, kv_type, steps=compared))
         bound, peer = atol, None
         if noise is not None:
-            div = first_divergence(entry["tokens"], gen.tokens)
             errors, last = noise[i]
             peer = float(np.max(errors[:min(last, len(errors) - 1 if div is None else div) + 1]))
             bound = max(atol, PEER_FACTOR * peer)

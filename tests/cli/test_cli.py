@@ -439,7 +439,9 @@ def test_goldens_accept_a_changed_token_only_at_a_near_tie():
 def test_goldens_recorded_at_bf16_are_checked_with_the_recordings_rounding(compiled, tmp_path):
     """Goldens recorded from bf16 CPU blobs and checked on numpy's exact run failed by the
     recording's own rounding (drift 0.015-0.024 against f16 KV's 1e-2): the bound is the larger
-    of the recording arithmetic's (named in the file) and the checking run's."""
+    of the recording arithmetic's (named in the file) and the checking run's. The goldens below
+    stand for a recording on another compile of the same weights: on the directory that
+    recorded them, an arithmetic it does not run is an edited file, refused."""
     from kvc.export.compile import cpu_precision
     from kvc.verify.goldens import drift_bound
 
@@ -453,6 +455,10 @@ def test_goldens_recorded_at_bf16_are_checked_with_the_recordings_rounding(compi
     assert bf16 > 0.02, bf16  # room between f16 KV's 1e-2 and bf16's bound at these logits
     for entry in data["prompts"]:  # every recorded logit off by 0.015: a bf16 recording's rounding
         entry["top_logits"] = [[[t, v + 0.015] for t, v in step] for step in entry["top_logits"]]
+    goldens.write_text(json.dumps({**data, "backend": "openvino", "inference_precision": "bf16"}))
+    out = kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", code=3).output
+    assert "does not run openvino at (edited?)" in out and "[bad-goldens]" in out
+    data["recorded_from"]["directory"] = "another compile"
     for precision, code in (("bf16", 0), ("f32", 4)):
         goldens.write_text(json.dumps({**data, "backend": "openvino", "inference_precision": precision}))
         report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", "--json",
@@ -460,6 +466,41 @@ def test_goldens_recorded_at_bf16_are_checked_with_the_recordings_rounding(compi
         assert report["ok"] is (code == 0) and all(r["backend"] == "numpy" for r in report["results"])
     goldens.write_text(json.dumps({**data, "inference_precision": "int4"}))
     assert "an arithmetic kvc does not know" in kvc("verify", compiled, "--goldens", goldens, code=3).output
+
+
+def test_goldens_take_their_bound_from_the_steps_a_check_compares(compiled, tmp_path):
+    """A logit recorded after a changed token is never compared, and sets no bound: before,
+    one step of logit 1000 appended after a changed token (the red team's edited file) made a
+    bf16 recording's bound 8, which excused that change as a near-tie (margin <= 2 x bound) and
+    said OK. Goldens naming numpy at an arithmetic numpy never runs are refused outright."""
+    goldens = tmp_path / "goldens.json"
+    kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "6")
+    data = json.loads(goldens.read_text())
+    data.update(backend="openvino", inference_precision="bf16")  # another compile of these weights, at bf16
+    data["recorded_from"]["directory"] = "another compile"
+    entry = data["prompts"][0]
+    (t0, v0), (t1, v1) = entry["top_logits"][4][:2]
+    entry["tokens"][4] = t1  # the run gives t0 here: recorded as t1, ahead of t0 by 1
+    entry["top_logits"][4] = [[t1, v0 + 1.0], [t0, v0]]
+    entry["top_logits"][5] = [[entry["tokens"][5], 1000.0]]  # after the change: never compared
+    goldens.write_text(json.dumps(data))
+    report = json.loads(kvc("verify", compiled, "--goldens", goldens, "--backends", "numpy", "--json",
+                            code=4).stdout)
+    row = report["results"][0]
+    assert not row["ok"] and row["first_divergent_token"] == 4 and row["bound"] < 0.5, row
+    assert v0 + 1.0 - v1 > 2 * row["bound"]  # the change is no near-tie at the compared steps' scale
+    goldens.write_text(json.dumps({**data, "backend": "numpy"}))
+    assert "numpy runs exact" in kvc("verify", compiled, "--goldens", goldens, code=3).output
+
+
+def test_goldens_of_other_weights_are_refused(compiled, tmp_path):
+    """Goldens say what they were recorded from: checked on a compile of other weights (here the
+    same Llama with int8 weights), they are refused by name, not judged token by token."""
+    goldens, other = tmp_path / "goldens.json", tmp_path / "other"
+    kvc("verify", compiled, "--record", goldens, "--backends", "numpy", "--max-new-tokens", "2")
+    kvc("compile", fixtures.path("llama_int8"), "-o", other, *SMALL, "--no-verify")
+    out = kvc("verify", other, "--goldens", goldens, "--backends", "numpy", code=3).output
+    assert "recorded from other weights" in out and "[bad-goldens]" in out and str(goldens) in out
 
 
 def test_goldens_drift_bound_follows_the_arithmetic():
