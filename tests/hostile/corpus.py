@@ -530,6 +530,16 @@ def build(tmp: Path) -> list[Case]:
             ("goldens-deep.json", "bad-goldens", "nested too deeply")),
         Run("compile", ["compile", "{fixture}", "-o", "{out}", "--plan", str(tmp / "plan-deep.json")], USAGE,
             ("plan-deep.json", "nested too deeply"))])
+    # Goldens that claim what they cannot be: what recorded them malformed, numpy at bf16.
+    base = {"format": "kvc-goldens/1", "backend": "numpy", "kv_element_type": "f32", "openvino_version": "x",
+            "prompts": [{"ids": [1, 2], "tokens": [3], "top_logits": [[[3, 1.0]]]}]}
+    (tmp / "goldens-recorded-from.json").write_text(json.dumps({**base, "recorded_from": "a directory"}))
+    (tmp / "goldens-numpy-bf16.json").write_text(json.dumps({**base, "inference_precision": "bf16"}))
+    cli_case("goldens-claims", "goldens whose recorded_from is a string, goldens naming numpy at bf16", [
+        Run("recorded-from", ["verify", "{good}", "--goldens", str(tmp / "goldens-recorded-from.json")], INVALID,
+            ("goldens-recorded-from.json", "bad-goldens", "do not say what recorded them")),
+        Run("numpy-bf16", ["verify", "{good}", "--goldens", str(tmp / "goldens-numpy-bf16.json")], INVALID,
+            ("goldens-numpy-bf16.json", "bad-goldens", "numpy runs exact"))])
     # Text that is not UTF-8: bytes from the shell, a lone surrogate in JSON (the tokenizer raised TypeError).
     (tmp / "requests-surrogate.jsonl").write_text('{"prompt": "hi \\ud800", "max_new_tokens": 2}\n')
     cli_case("prompt-not-utf8", "a --prompt of bytes that are not UTF-8, a requests line with a lone surrogate", [
