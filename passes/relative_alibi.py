@@ -32,8 +32,10 @@ integer positions converted to floating point, the positions computed from a Cum
 last axis of a rank-2 tensor through element-wise integer arithmetic and Unsqueeze (which keep
 that axis last), and the product reaching attention only as an additive mask: through
 reshapes, conversions and a masked fill (Select) into ScaledDotProductAttention's mask input,
-or into an Add whose result goes to a Softmax. MPT's ALiBi (``slopes x arange(1 - M, 1)``)
-is measured from the newest slot already (mask-positions' right-aligned-table).
+or into an Add whose result goes only to a Softmax over the last axis. A misfire (a reshape
+that moved the key axis) would shift each row by more than a constant, which the compile's
+check of the IR against the source refuses. MPT's ALiBi (``slopes x arange(1 - M, 1)``) is
+measured from the newest slot already (mask-positions' right-aligned-table).
 """
 
 from __future__ import annotations
@@ -91,6 +93,15 @@ def _positions_from_cumsum(value: ov.Output, depth: int = 0) -> bool:
     return False
 
 
+def _softmax_over_last(node: ov.Node) -> bool:
+    """A Softmax over the last axis (the keys: a constant per row leaves it unchanged)."""
+    if node.get_type_name() != "Softmax":
+        return False
+    rank = node.get_output_partial_shape(0).rank
+    axis = int(node.get_attributes()["axis"])
+    return rank.is_static and axis in (-1, rank.get_length() - 1)
+
+
 def _only_additive_mask(value: ov.Output, seen: int = 0) -> int:
     """The attention masks `value` reaches, each only as an additive mask (module docstring);
     raises NoMatch at any other use."""
@@ -102,7 +113,7 @@ def _only_additive_mask(value: ov.Output, seen: int = 0) -> int:
             raise NoMatch("the bias does not reach attention within a few layout nodes")
         if kind == "ScaledDotProductAttention" and port == 3:
             reached += 1
-        elif kind == "Add" and all(t.get_node().get_type_name() == "Softmax" for t in node.output(0).get_target_inputs()):
+        elif kind == "Add" and all(_softmax_over_last(t.get_node()) for t in node.output(0).get_target_inputs()):
             reached += 1
         elif kind in _LAYOUT or (kind in _FIRST_INPUT and port == 0) or (kind == "Select" and port in (1, 2)):
             reached += _only_additive_mask(node.output(0), seen + 1)

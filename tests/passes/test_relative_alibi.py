@@ -20,11 +20,13 @@ H, Q, K, D = 4, 8, 1024, 16
 SLOPES = np.array([0.25, 0.0625, 0.015625, 0.00390625], np.float32).reshape(1, H, 1)
 
 
-def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also_out: bool = False) -> ov.Model:
+def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also_out: bool = False,
+                softmax_axis: int = -1) -> ov.Model:
     """Attention of q [1, H, Q, D] over k, v [1, H, K, D] with BLOOM's bias
     slopes x ((cumsum(mask) - 1) x mask), masked where the mask is 0. `positions_from`:
     "cumsum" (BLOOM), or "input" (given positions, not a CumSum); `bias_also_out`: the bias is
-    a model output too (another use than the attention mask)."""
+    a model output too (another use than the attention mask); `softmax_axis`: 2 normalizes over
+    the queries, where a shift per key row is no constant."""
     q = ops.parameter([1, H, Q, D], np.float32, name="q")
     k = ops.parameter([1, H, K, D], np.float32, name="k")
     v = ops.parameter([1, H, K, D], np.float32, name="v")
@@ -44,7 +46,7 @@ def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also
         out = ops.scaled_dot_product_attention(q, k, v, masked, ops.constant(np.float32(D ** -0.5)), causal=False)
     else:
         scores = ops.multiply(ops.matmul(q, k, False, True), ops.constant(np.float32(D ** -0.5)))
-        out = ops.matmul(ops.softmax(ops.add(scores, masked), -1), v, False, False)
+        out = ops.matmul(ops.softmax(ops.add(scores, masked), softmax_axis), v, False, False)
     out.output(0).set_names({"out"})
     results = [out] + ([bias] if bias_also_out else [])
     return ov.Model(results, params, "alibi")
@@ -106,7 +108,8 @@ def test_at_bf16_the_relative_bias_keeps_the_scores():
 
 def test_other_uses_and_other_positions_are_left_alone():
     for model, why in ((alibi_model(bias_also_out=True), "not only an attention mask"),
-                       (alibi_model(positions_from="input"), "not positions from a CumSum")):
+                       (alibi_model(positions_from="input"), "not positions from a CumSum"),
+                       (alibi_model(softmax_axis=2), "not only an attention mask")):
         text = ir.to_text(model)
         record = run(model).records[0]
         assert not record.modified and ir.to_text(model) == text
