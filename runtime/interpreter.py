@@ -29,21 +29,29 @@ from kvc.runtime.ops.lowbit import constant_array
 # Ops the interpreter itself implements (they touch inputs, outputs or state).
 _BUILTIN = {"Parameter", "Result", "Constant", "ReadValue", "Assign"}
 _STATEFUL = {"ReadValue", "Assign"}
-# Weight decompression (NNCF's int8/int4 weights, as OpenVINO's MarkDequantization matches it):
-# an integer Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape ...] ->
-# Convert to f32. NNCF computes it in f16 (f16 scales), but OpenVINO's plugins fuse it into the
+# Weight decompression (NNCF's weights, as OpenVINO's MarkDequantization matches it): a
+# low-bit Constant -> Convert -> [Subtract zero point] -> Multiply scale -> [Reshape ...] ->
+# Convert to f32 (cb4: a Gather of its codebook by the codes; mxfp4, nvfp4: scales of their own
+# types). NNCF computes it in f16 (f16 scales), but OpenVINO's plugins fuse it into the
 # MatMul/Gather and dequantize in f32 (the CPU plugin at f32 inference precision does not round
-# to f16 in between), so kvc computes such a subgraph in f32 too.
-_DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape", "Transpose", "Unsqueeze", "Squeeze"}
-_LOW_BIT = {"u8", "i8", "u4", "i4", "u2", "u1"}
+# to f16 in between), so kvc computes such a subgraph in f32 too. Two Converts to f16 in it do
+# round, as OpenVINO CPU 2026.4 rounds them (the compressed fixtures' goldens,
+# tests/runtime/test_goldens.py, fail without either; so does cb4's without the Gather): one of
+# an f32 value (nvfp4's f8e4m3 scale times its f32 scale), and the codes of nf4 (values no f16
+# holds exactly) unless the weights feed only MatMuls, whose kernels read nf4's table at f32
+# (an embedding's Gather, and a tied embedding's Gather and MatMul both, take the codes at f16).
+# NPUW on its CPU backend rounds neither (tests/export/test_compile.py: a known gap).
+_DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Gather"}
+_LOW_BIT = {"u8", "i8", "u6", "u4", "i4", "u3", "u2", "u1", "nf4", "f4e2m1", "f8e4m3", "f8e5m2", "f8e8m0"}
 _F16, _F32, _I8 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int8)
 
 
-def decompression_nodes(model: ov.Model) -> set:
+def decompression_nodes(model: ov.Model) -> tuple[set, set]:
     """The f16 nodes of weight-decompression subgraphs that end in a Convert to f32: each is
-    constant-only, made of `_DECOMPRESSION_OPS`, starts from a low-bit integer Constant, and
-    used only inside the subgraph (so no f16 value computed in f32 escapes it)."""
-    found = set()
+    constant-only, made of `_DECOMPRESSION_OPS`, starts from a low-bit Constant, and used only
+    inside the subgraph (so no f16 value computed in f32 escapes it); and the Converts among
+    them that round to f16 all the same (the comment above)."""
+    found, rounded = set(), set()
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Convert" or op.get_output_element_type(0).get_type_name() != "f32" \
                 or op.get_input_element_type(0).get_type_name() != "f16":
@@ -66,8 +74,18 @@ def decompression_nodes(model: ov.Model) -> set:
             continue
         users = {t.get_node() for n in inner for o in n.outputs() for t in o.get_target_inputs()}
         if users <= inner | {op}:
-            found |= {n for n in inner if n.get_output_element_type(0).get_type_name() == "f16"}
-    return found
+            halves = {n for n in inner if n.get_output_element_type(0).get_type_name() == "f16"}
+            found |= halves
+            rounded |= {n for n in halves if n.get_type_name() == "Convert" and n.get_input_element_type(0) == ov.Type.f32}
+            if not all(t.get_node().get_type_name() == "MatMul" for t in op.output(0).get_target_inputs()):
+                rounded |= {n for n in halves if n.get_type_name() == "Convert"
+                            and n.get_input_element_type(0) == ov.Type.nf4}
+    return found, rounded
+
+
+def _f16_rounded(x):
+    """A Convert to f16 inside a decompression subgraph kvc computes in f32: the f16 value, held as f32."""
+    return x.astype(np.float16).astype(np.float32)
 
 
 def _in_f32(spec, bf16: bool = False):
@@ -221,7 +239,7 @@ class Interpreter:
                 out.append(slot[(node, port)])
             return tuple(out)
 
-        in_f32 = decompression_nodes(self.model)
+        in_f32, rounded = decompression_nodes(self.model)
         unrounded = int8_quantizers(self.model) if self.widen else set()
         for node in ops:
             tname = node.get_type_name()
@@ -248,6 +266,8 @@ class Interpreter:
                 if self.widen or node in in_f32:
                     spec = _in_f32(spec, bf16=self.widen)
                 kernel = lookup(tname, node.get_type_info().version_id)(spec)
+                if node in rounded:
+                    kernel = _f16_rounded
                 outs = new_slots(node)
                 if fold and ins and all(i in consts for i in ins):
                     folded = self._try_fold(kernel, [consts[i] for i in ins], node)

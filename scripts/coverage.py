@@ -86,7 +86,7 @@ def weight_format(fixture: str) -> str:
     model = ir.load(fixtures.path(fixture))
     types = {op.get_output_element_type(0).get_type_name() for op in model.get_ops()
              if op.get_type_name() == "Constant" and op.get_output_size() and op.get_byte_size() >= 1024}
-    compressed = sorted(types & {"u8", "i8", "u4", "i4", "nf4", "f8e4m3", "f8e5m2"})
+    compressed = sorted(types & {"u8", "i8", "u4", "i4", "nf4", "f4e2m1", "f8e4m3", "f8e5m2", "f8e8m0"})
     return "+".join(compressed) if compressed else ("fp16" if "f16" in types else "fp32")
 
 

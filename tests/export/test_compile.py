@@ -590,20 +590,33 @@ def test_onnx_input_goes_through_the_same_pipeline(tmp_path):
     assert open_compiled(out, "openvino").generate(prompt["ids"], 24).tokens == prompt["tokens"]["onnxruntime"]
 
 
+# NNCF formats whose decompression OpenVINO CPU rounds to f16 where NPUW (on its CPU backend)
+# does not (kvc.runtime.interpreter, `decompression_nodes`): nf4's codes into an embedding's
+# Gather, nvfp4's f32 scales. kvc's IR follows the CPU plugin, so the NPU blobs differ from it by
+# that rounding: judged exactly (f32 KV), they are refused; at the NPU's default (f16 KV) the
+# cache's rounding bounds take it (test_npu_plugin_llm_path_agrees_with_kvc). A known gap.
+NPUW_DECOMPRESSES_UNROUNDED = ("llama_nf4_g16", "qwen2_nf4_g16", "llama_nvfp4")
+
+
 @pytest.mark.parametrize("name", fixtures.COMPRESSED)
 def test_compressed_weights_compile_verify_and_run_from_blobs(name, tmp_path):
-    """optimum-cli --weight-format int8/int4 models: compile (f32 KV and f32 CPU arithmetic: the
-    exact check) publishes CPU and NPU blobs that reproduce the stateful model's goldens. (At
-    the CPU plugin's default, bf16 with activations quantized for int8/int4 weights, tokens
-    differ at small margins; that path is judged by the reduced-precision rule in compile.)"""
+    """optimum-cli --weight-format int8/int4/nf4/mxfp4/cb4 models (and NNCF's nvfp4 and fp8):
+    compile (f32 KV and f32 CPU arithmetic: the exact check) publishes CPU and NPU blobs that
+    reproduce the stateful model's goldens. (At the CPU plugin's default, bf16 with activations
+    quantized for int8/int4 weights, tokens differ at small margins; that path is judged by the
+    reduced-precision rule in compile.)"""
     from kvc.export.load import open_compiled
 
     out = tmp_path / "out"
-    manifest = compile_to(fixtures.path(name), out, CompileOptions(StaticOptions(64, 64, kv_precision="f32"),
-                                                                   devices=("CPU", "NPU"), inference_precision="f32"))
+    devices = ("CPU",) if name in NPUW_DECOMPRESSES_UNROUNDED else ("CPU", "NPU")
+    options = CompileOptions(StaticOptions(64, 64, kv_precision="f32"), devices=devices, inference_precision="f32")
+    manifest = compile_to(fixtures.path(name), out, options)
     assert manifest["verification"]["ok"] and all(r["ok"] for r in manifest["blob_check"])
+    if name in NPUW_DECOMPRESSES_UNROUNDED:
+        with pytest.raises(VerificationError, match="the NPU blobs do not reproduce the static IR"):
+            compile_to(fixtures.path(name), tmp_path / "npu", dataclasses.replace(options, devices=("NPU",)))
     golden = fixtures.goldens(name)
-    for backend in ("openvino", "npu"):
+    for backend in ("openvino", "npu")[:len(devices)]:
         pipe = open_compiled(out, backend)
         for prompt in golden["prompts"]:
             assert pipe.generate(prompt["ids"], 24).tokens == prompt["tokens"]["openvino"], (backend, prompt["name"])

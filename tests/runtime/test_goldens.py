@@ -54,12 +54,14 @@ def test_goldens_agree_across_engines_as_recorded(fixture_name):
 
 @pytest.mark.parametrize("name", fixtures.COMPRESSED)
 def test_numpy_reproduces_compressed_weight_goldens(name):
-    """NNCF int8/int4 weights (u8/i8/u4/i4 constants, zero points, f16 scales, group reshapes):
-    kvc's interpreter gives OpenVINO CPU f32's tokens and first-step logits within f32_bound."""
+    """NNCF's weights (int8/int4: u8/i8/u4/i4 constants, zero points, f16 scales, group
+    reshapes; nf4, mxfp4 (f4e2m1 over f8e8m0 scales), cb4 (u4 indices into an f8e4m3 codebook),
+    nvfp4, fp8): kvc's interpreter gives OpenVINO CPU f32's tokens and first-step logits within
+    f32_bound."""
     golden = fixtures.goldens(name)
     model = ir.load(fixtures.path(name))
     kinds = {op.get_output_element_type(0).get_type_name() for op in model.get_ops() if op.get_type_name() == "Constant"}
-    assert kinds & {"u8", "i8", "u4", "i4"}, "the fixture must hold compressed weights"
+    assert kinds & {"u8", "i8", "u4", "i4", "nf4", "f4e2m1", "f8e4m3"}, "the fixture must hold compressed weights"
     ours = open_session(model, "numpy")
     for prompt in golden["prompts"]:
         got = greedy(ours, prompt["ids"], golden["max_new_tokens"])

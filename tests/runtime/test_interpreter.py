@@ -158,7 +158,7 @@ def test_f16_decompression_used_in_f16_stays_f16():
     model, _, _ = _decompressed_matmul("u8", None, to_f32=False)
     from kvc.runtime.interpreter import decompression_nodes
 
-    assert decompression_nodes(model) == set()
+    assert decompression_nodes(model) == (set(), set())
 
 
 @pytest.mark.parametrize("kv", ["f16", "bf16"])

@@ -363,6 +363,8 @@ NPUW_LLM_FAILS = {
     "granitemoe_int4_sym_g16": ("compile", "to_shape was called on a dynamic shape"),
     "granitemoe_int4_asym_cw": ("compile", "to_shape was called on a dynamic shape"),
     "qwen3_moe_int4_sym_g16": ("run", "Assertion from_shape.back\\(\\) % 64 == 0 failed"),
+    # and on llama in mxfp4 (f4e2m1 over f8e8m0 scales): an f16 [1, 2, 64, 16] KV parameter
+    "llama_mxfp4": ("compile", "Model references undeclared parameters"),
 }
 
 
