@@ -763,3 +763,59 @@ def apply(name: str, setattr_, setenv, where: str = "ir") -> Applied:
         raise ValueError(f"where: 'ir' or 'blob', not {where!r}")
     return applied
 
+
+@dataclass
+class InPasses(Applied):
+    """What a mutant installed in the passes edited (`edits`, by branch or patched pass), each
+    branch's last pass (`last`: where its edit of that branch is made) and the stable names of
+    the values its new nodes feed in each branch it edited (`fed`: where its fault shows first)."""
+
+    last: dict[str, str] = field(default_factory=dict)
+    fed: dict[str, list[str]] = field(default_factory=dict)
+
+
+def apply_in_passes(name: str, setattr_) -> InPasses:
+    """Install mutant `name` *in the passes*, for `kvc bisect` (which walks the passes and
+    builds no bundle, so `apply` does not reach it): the last pass of every static branch
+    (kvc.export.build.branch_passes) also makes the mutant's edit of that branch's model, after
+    its own work, so the truth bisect must find is that pass; a mutant's `hooks` (a patched
+    pass) are installed as `apply` installs them."""
+    import dataclasses
+
+    import kvc.export.build as build
+    from kvc.ir.naming import name_model
+    from kvc.passes.framework.base import PassResult
+
+    fn, applied, real = MUTANTS[name], InPasses(), build.branch_passes
+    for hook in getattr(fn, "hooks", ()):
+        hook(setattr_, applied)
+
+    def mutated(last, branch: str):
+        cls = type(last)
+
+        def run(self, model):
+            result = cls.run(self, model)
+            before = {op.get_friendly_name() for op in result.model.get_ops()}
+            n = fn(branch, result.model)
+            if not n:
+                return result
+            applied.edits[branch] = n
+            result.model.validate_nodes_and_infer_types()
+            naming = name_model(result.model)
+            applied.fed[branch] = [naming.value(out) for op in result.model.get_ordered_ops()
+                                   if op.get_friendly_name() in before
+                                   and any(v.get_node().get_friendly_name() not in before for v in op.input_values())
+                                   for out in op.outputs() if (op, out.get_index()) in naming._values]
+            return PassResult(result.model, True)
+
+        sub = type(cls.__name__, (cls,), {"run": run, "__module__": cls.__module__})
+        return sub(**{f.name: getattr(last, f.name) for f in dataclasses.fields(last)})
+
+    def with_mutant(options):
+        branches = real(options)
+        applied.last.update({b: passes[-1].spec() for b, passes in branches.items()})
+        return {b: [*passes[:-1], mutated(passes[-1], b)] for b, passes in branches.items()}
+
+    setattr_(build, "branch_passes", with_mutant)
+    return applied
+
