@@ -16,8 +16,16 @@ from kvc.errors import VerificationError
 @click.option("--steps", type=click.IntRange(1, 256), default=3, show_default=True,
               help="Greedy steps compared for dynamic stages (at most 256: each step runs every stage again; "
                    "99999999999 ran for hours).")
+@click.option("--device", "devices", multiple=True, type=click.Choice(["CPU", "NPU"]), default=("CPU",),
+              show_default=True, help="The device `kvc compile --device` was given: the auto options resolve for it, "
+                                      "so that bisect walks the models that compile builds (repeatable).")
+@click.option("--inference-precision", type=click.Choice(["auto", "f32", "bf16", "f16"]), default="auto",
+              show_default=True, help="The CPU blobs' arithmetic `kvc compile --inference-precision` was given (auto: "
+                                      "the CPU plugin's default here): the auto options (chunk, first chunks, KV type, "
+                                      "prefill MLP) resolve for it as the compile resolves them. Bisect itself runs "
+                                      "kvc's numpy runtime.")
 @json_option
-def bisect(model, prompt_ids, steps, as_json, **kwargs):
+def bisect(model, prompt_ids, steps, devices, inference_precision, as_json, **kwargs):
     """Run the compile pipeline pass by pass on kvc's numpy runtime, comparing every
     intermediate model with MODEL; name the pass after which the outputs are wrong and stay
     wrong, and the first tensor that diverges there. A pass whose divergence a later pass
@@ -28,11 +36,14 @@ def bisect(model, prompt_ids, steps, as_json, **kwargs):
     from kvc.cli.options import parse_ids
     from kvc.verify.bisect import bisect as run_bisect
 
-    from kvc.export.compile import fit_to_model, model_max_positions
+    from kvc.export.compile import fit_to_model, model_max_positions, source_image_rows, source_selects
     from kvc.ir.reader import resolve
 
     path = resolve_model(model)
-    options = fit_to_model(pop_static(kwargs), model_max_positions(resolve(path).root))
+    # The auto options resolved as `kvc compile` resolves them for the same arguments (CPU at the
+    # plugin's own arithmetic by default), so that the pipeline bisected is the one it refused.
+    static = pop_static(kwargs, devices, inference_precision, source_selects(path), source_image_rows(path))
+    options = fit_to_model(static, model_max_positions(resolve(path).root))
     from kvc.export.build import common_passes
     from kvc.passes import format_pipeline
 

@@ -844,3 +844,25 @@ def test_json_output_is_strict_json_with_nan_and_infinities_spelled_out(capsys):
         "max_abs": "NaN", "rows": ["Infinity", "-Infinity", 1.5], "ok": False}
     echo_json({"ok": np.True_, "drift": np.float32(np.nan), "steps": np.int64(3)})  # numpy's scalars as Python's
     assert json.loads(capsys.readouterr().out) == {"ok": True, "drift": "NaN", "steps": 3}
+
+
+def test_bisect_walks_the_models_compile_builds(monkeypatch):
+    """`kvc compile` resolves its auto options for the CPU at the plugin's own arithmetic, and
+    points a refused compile to `kvc bisect`, which resolved them at f32: on a bf16 host it
+    walked a prefill chunked by 32 with a dynamic first chunk where the compile built chunks of
+    16 after a static first 16, and a fault in the models compiled was in none it walked (the
+    chunk model reading none of its past beyond C, chunk_past_beyond_C_ignored, is no fault
+    when C = P / 2: exit 0)."""
+    import kvc.export.compile as compile_module
+    from tests.mutation.mutants import apply_in_passes
+
+    real = compile_module.cpu_precision
+    monkeypatch.setattr(compile_module, "cpu_precision", lambda p: "bf16" if p == "auto" else real(p))
+    applied = apply_in_passes("chunk_past_beyond_C_ignored", monkeypatch.setattr)
+    data = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--json", code=4).stdout)
+    assert "static-shape{kind=prefill,prompt=64,chunk=16}" in {s["spec"] for s in data["stages"]}
+    bad = data["first_bad_pass"]
+    assert applied.edits == {"prefill": 1} and (bad["branch"], bad["spec"]) == ("prefill", applied.last["prefill"])
+    # --inference-precision f32 bisects what `kvc compile --inference-precision f32` builds
+    clean = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--inference-precision", "f32", "--json").stdout)
+    assert "static-shape{kind=prefill,prompt=64,chunk=32}" in {s["spec"] for s in clean["stages"]}
