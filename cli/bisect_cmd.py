@@ -71,8 +71,9 @@ def bisect(model, prompt_ids, steps, devices, inference_precision, as_json, **kw
     if bad.reason:  # an embedding row or a weight (verify/weights.py): the probe's outputs need not show it
         what, where = "the model", f": {bad.reason}{where}"
     if not as_json:
-        click.echo(f"first bad pass: {bad.spec} ({bad.branch}, pass {bad.index}){where}")
-    raise VerificationError(f"pass {bad.spec} changes {what}{where}")
+        on = f", on a call of {bad.probe}" if bad.probe else ""
+        click.echo(f"first bad pass: {bad.spec} ({bad.branch}, pass {bad.index}{on}){where}")
+    raise VerificationError(f"pass {bad.spec} changes {what}{f' on a call of {bad.probe}' if bad.probe else ''}{where}")
 
 
 def _result(stage) -> str:

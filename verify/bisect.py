@@ -3,7 +3,10 @@
 Every intermediate model is evaluated with the probe for its form (`kvc.verify.probe`) on
 kvc's numpy runtime and compared with the source model: dynamic stages (the common passes)
 by greedy logits over a few steps, static stages (each branch: prefill and the generate
-variants) by one step of the NPU contract against the lifted source. Each pass is judged on
+variants) by steps of the NPU contract against the lifted source (`static_cases`: the past
+half full, empty and full, a call full and of one token, so that the last slots and positions
+a model has and its pad rows are run, as the compile's probes run them; a first chunk of
+dynamic rows on calls of 1 to F rows). Each pass is judged on
 its own (tolerance 1e-4; NRMSE 0.01 once KV is f16). A mixture of experts is judged again
 with every router forced on both sides (kvc.verify.experts), as the compile judges it, so that
 an expert the probe's router never picks is run too: a step of fewer rows than ceil(E / k)
@@ -36,7 +39,7 @@ from kvc.verify.embedding import model_differs, source_table
 from kvc.verify.experts import experts_of, force_routers, forced_routing
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
-from kvc.verify.probe import dynamic_logits, is_static, static_feed
+from kvc.verify.probe import dynamic_logits, dynamic_rows, is_static, static_cases, static_feed
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Stage:
     ok: bool
     restored: bool = False  # wrong after this pass, right again after a later one of its branch
     reason: str = ""  # what else is wrong: the embedding table or a weight (verify/weights.py)
+    probe: str = ""  # a static stage: the step it first failed on ("n tokens over k cached")
 
 
 @dataclass
@@ -169,19 +173,32 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
                    unread: _Unread, experts: tuple[int, int] | None = None) -> bool:
     """Judge each static stage of one branch; True when the branch ends wrong (the culprit is
     the first pass of the run of wrong stages at its end)."""
-    model, models, stages = lifted.clone(), [lifted], []
+    model, models, stages, cases, memo = lifted.clone(), [lifted], [], {}, {}
+    # A first chunk of dynamic rows (first-F) is judged on calls of 1 to F rows.
+    bound = int(branch.split("-")[1]) if branch.startswith("first-") else None
     for i, p in enumerate(passes, start=1):
         model = PassManager([p], use_env=False).run(model).model
         models.append(model.clone())
-        if not is_static(model):
+        rows = bound if bound and dynamic_rows(model) else None
+        if not (is_static(model) or rows):
             continue
-        feed = static_feed(model, lifted, tokens)
-        out = NumpySession(model).infer(feed.inputs)["logits"][0][feed.rows]
-        a, n, ok = _judge(feed.ref_logits, out, feed.f16)
+        worst, failed = None, None
+        session = NumpySession(model)
+        for case in static_cases(model, rows):  # each call the compile's probes make of such a model
+            feed = static_feed(model, lifted, tokens, case, rows, memo)
+            out = session.infer(feed.inputs)["logits"][0][feed.rows]
+            a, n, ok = _judge(feed.ref_logits, out, feed.f16)
+            worst = (a, n) if worst is None else (max(worst[0], a), max(worst[1], n))
+            if not ok:
+                failed = case
+                break
         why = unread.changed(model)
         if experts and why is None:
             why = _forced_static(model, lifted, tokens, experts)
-        stages.append((i, Stage(branch, i, p.spec(), a, n, ok and why is None, reason=why or "")))
+        cases[i] = (failed or static_cases(model, rows)[0], rows)
+        probe = f"{failed[1]} token{'s' * (failed[1] > 1)} over {failed[0]} cached" if failed else ""
+        stages.append((i, Stage(branch, i, p.spec(), *worst, failed is None and why is None, reason=why or "",
+                                probe=probe)))
     report.stages.extend(s for _, s in stages)
     if not stages or stages[-1][1].ok:
         for _, s in stages:
@@ -194,9 +211,10 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         s.restored = not s.ok
     index, report.first_bad = stages[culprit]
     before, after = models[index - 1], models[index]
-    if is_static(before):
+    case, rows = cases[index]
+    if is_static(before) or (rows and dynamic_rows(before)):  # both run the step the culprit failed on
         report.first_tensor = first_diverging_tensor(
-            before, after, lambda s: static_feed(s.interpreter.model, lifted, tokens).inputs)
+            before, after, lambda s: static_feed(s.interpreter.model, lifted, tokens, case, rows, memo).inputs)
     return True
 
 

@@ -49,28 +49,38 @@ def _ports(model: ov.Model) -> dict[str, ov.Output]:
     return {name: p for p in model.inputs for name in p.get_names()}
 
 
-def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> StaticFeed:
+def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: tuple[int, int] | None = None,
+                rows: int | None = None, memo: dict | None = None) -> StaticFeed:
     """Inputs for one static step of `model` and the reference logits to compare with.
 
     `reference` is a dynamic stateless model (the lifted source); `tokens` supplies the ids.
+    `case` is (k, n): k tokens already in the cache, n run in this call, left-padded in its L
+    rows (default: the first of `static_cases`). A model whose rows are dynamic (a first chunk
+    of 1 to F rows, no past) runs `rows` rows (n, unpadded). `memo` keeps the reference's
+    runs by (k, n) across calls with the same `reference` and `tokens`.
     """
     ports = _ports(model)
     embed = embedder_of(model)
-    L = ports["input_ids" if embed is None else TOKEN_EMBEDS].get_shape()[1]
-    M = ports["attention_mask"].get_shape()[-1] if "attention_mask" in ports else L
+    ids = ports["input_ids" if embed is None else TOKEN_EMBEDS].get_partial_shape()[1]
+    k, n = case if case is not None else static_cases(model, rows)[0]
+    L = ids.get_length() if ids.is_static else n  # dynamic rows: the call's own, unpadded
+    mask = ports["attention_mask"].get_partial_shape()[-1] if "attention_mask" in ports else None
+    M = mask.get_length() if mask is not None and mask.is_static else L
     past_slots = M - L
-    k = past_slots // 2 if past_slots else 0  # some cache, some free slots
-    n = L if past_slots else max(1, L - 3)  # a prefill is also checked with left padding
+    if not (0 <= k <= past_slots and 1 <= n <= L):
+        raise ValueError(f"a step of {n} tokens over {k} cached does not fit {L} rows over {past_slots} past slots")
     seq = np.asarray(tokens[: k + n], np.int64)
-    ref = NumpySession(reference)
-    pasts = {name for name in ref.input_names if name.startswith("past_key_values")}
+    memo = {} if memo is None else memo
+    if (k, n) not in memo:
+        ref = NumpySession(reference)
+        pasts = {name for name in ref.input_names if name.startswith("past_key_values")}
+        cache = {}
+        if k:
+            out = ref.infer(first_step_feed(ref, seq[:k]))
+            cache = {name: out[present_name(name)] for name in pasts}
+        memo[k, n] = pasts, cache, ref.infer(first_step_feed(ref, seq))["logits"][0, k:k + n]
+    pasts, cache, ref_logits = memo[k, n]
     feed: dict[str, np.ndarray] = {}
-    cache = {}
-    if k:
-        out = ref.infer(first_step_feed(ref, seq[:k]))
-        cache = {name: out[present_name(name)] for name in pasts}
-    full = ref.infer(first_step_feed(ref, seq))
-    ref_logits = full["logits"][0, k:k + n]
     ids = np.zeros((1, L), np.int64)
     ids[0, L - n:] = seq[k:]
     mask = np.zeros((1, M), np.int64)
@@ -88,11 +98,43 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray) -> Sta
             feed[name], is_f16 = _place(cache.get(name), port)
             f16 |= is_f16
     f16 |= any(o.get_element_type() == ov.Type.f16 for o in model.outputs)
-    logits_len = next(o.get_shape()[1] for o in model.outputs if "logits" in o.get_names())
+    logits_rows = next(o.get_partial_shape()[1] for o in model.outputs if "logits" in o.get_names())
+    logits_len = logits_rows.get_length() if logits_rows.is_static else L
     rows = slice(logits_len - n, logits_len) if logits_len == L else slice(logits_len - 1, logits_len)
     if logits_len != L:
         ref_logits = ref_logits[-1:]
     return StaticFeed(feed, rows, ref_logits, f16, n)
+
+
+def dynamic_rows(model: ov.Model) -> bool:
+    """Whether `model`'s only dynamic input dimension is its rows (a first chunk of dynamic rows):
+    the token ids' axis 1 and the axis it shares with the mask, positions and token types."""
+    ports = _ports(model)
+    ids = ports.get("input_ids", ports.get(TOKEN_EMBEDS))
+    if ids is None or ids.get_partial_shape().rank.is_dynamic or ids.get_partial_shape()[1].is_static:
+        return False
+    for port in model.inputs:
+        shape = port.get_partial_shape()
+        if shape.rank.is_dynamic or sum(not d.is_static for d in shape) > 1:
+            return False
+    return True
+
+
+def static_cases(model: ov.Model, rows: int | None = None) -> list[tuple[int, int]]:
+    """The (k, n) steps a static stage is judged on (`static_feed`): k tokens already cached,
+    n in the call. The first is half the past filled and the call full (a prefill over no past:
+    three rows of left padding); then the call over an empty past and over a full one (the last
+    slots and the last positions a model has, where a position table or a mask one short
+    fails), and a call of one token (a call mostly padding: a pad slot attended). `rows`: a
+    model of dynamic rows runs calls of 1 to `rows` tokens, no padding: F - 3, F and 1."""
+    ports = _ports(model)
+    ids = ports["input_ids" if "input_ids" in ports else TOKEN_EMBEDS].get_partial_shape()[1]
+    L = ids.get_length() if ids.is_static else rows
+    mask = ports["attention_mask"].get_partial_shape()[-1] if "attention_mask" in ports else None
+    past = (mask.get_length() if mask is not None and mask.is_static else L) - L
+    if not past:
+        return list(dict.fromkeys([(0, max(1, L - 3)), (0, L), (0, 1)]))
+    return list(dict.fromkeys([(past // 2, L), (0, L), (past, L), (past // 2, 1), (past, 1)]))
 
 
 def _place(rows: np.ndarray | None, port: ov.Output) -> tuple[np.ndarray, bool]:

@@ -866,3 +866,30 @@ def test_bisect_walks_the_models_compile_builds(monkeypatch):
     # --inference-precision f32 bisects what `kvc compile --inference-precision f32` builds
     clean = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--inference-precision", "f32", "--json").stdout)
     assert "static-shape{kind=prefill,prompt=64,chunk=32}" in {s["spec"] for s in clean["stages"]}
+
+
+@pytest.mark.parametrize("mutant,options,branch,call", [
+    # positions clamped at P - 1: one step over half the past (position 63) ran below the clamp
+    ("gen_positions_clamped_to_P", (), "generate-128", "1 token over 127 cached"),
+    # the past's last slot never attended: empty in a step over half the past
+    ("gen_last_past_slot_masked", (), "generate-128", "1 token over 127 cached"),
+    # a slot 9 before the mask's end attended by every row: a pad only in a call of 8 tokens or fewer
+    ("chunk_pad_slot_attended", ("--prefill-chunk-size", "16", "--prefill-first", "16"), "prefill",
+     "1 token over 24 cached"),
+    # a first chunk of dynamic rows, wrong for 8 to F - 1 rows: no stage of it was judged at all
+    ("first_dynamic_rows_8_up", ("--prefill-chunk-size", "16", "--prefill-first", "32", "--prefill-first-rows",
+                                 "dynamic", "--inference-precision", "f32"), "first-32", "29 tokens over 0 cached"),
+])
+def test_bisect_runs_the_steps_the_compile_probes(monkeypatch, mutant, options, branch, call):
+    """kvc compile refuses each of these faults (tests/mutation/test_mutants.py) and sends the
+    user to kvc bisect, which judged a static stage on one step (half the past, the call full)
+    and skipped a stage whose rows are dynamic: it said no pass changes the outputs (exit 0).
+    Each stage is judged on the steps that reach a model's last slots and positions and its pad
+    rows; the pass that holds the fault is named with the call it fails on."""
+    from tests.mutation.mutants import apply_in_passes
+
+    applied = apply_in_passes(mutant, monkeypatch.setattr)
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, *options, code=4)
+    assert list(applied.edits) == [branch]
+    assert f"first bad pass: {applied.last[branch]} ({branch}, pass " in result.output
+    assert f"on a call of {call}" in result.output and "first diverging tensor" in result.output
