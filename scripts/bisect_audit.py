@@ -79,14 +79,14 @@ def one(mutant: str, fixture: str, install: str, plain: bool, extra: list[str]) 
     except (json.JSONDecodeError, TypeError):
         bad_branch = bad_spec = ""
         named = output.strip().splitlines()[-1][:160] if output.strip() else ""
-    if not edits and mutant != "none":
+    if code == 1:
+        verdict = "crash"
+    elif code not in (0, 4):  # bisect refused the options or the model (before the mutant's models, maybe)
+        verdict = f"exit {code}"
+    elif not edits and mutant != "none":
         verdict = "no edit"
     elif code == 0:
         verdict = "ok (control)" if mutant == "none" else "CLEAN"
-    elif code == 1:
-        verdict = "crash"
-    elif code != 4:
-        verdict = f"exit {code}"
     elif fault.get(bad_branch) == bad_spec or any(bad_spec.split("{")[0] == h for h in hooked):
         fed = downstream.get(bad_branch)
         verdict = ("correct" if fed is None or tensor.split(" ")[0] in fed
