@@ -8,7 +8,8 @@ Chunk-level reuse (`kvc.cache.chunks`) puts rows computed at positions `[p0, p0 
   key at p1. Pairs are halves (rotate-half, Llama) or neighbours (interleaved, GPT-J,
   Cohere), over the whole head or its first `rotary_dim` channels (partial rotary).
   ``inv_freq = theta ** (-2j / rotary_dim)`` (`rope_type` "default"), divided by `factor`
-  ("linear"), or YaRN's blend ("yarn"); other rope types are refused.
+  ("linear"), YaRN's blend ("yarn") or Llama 3.1's by wavelength ("llama3"); other rope
+  types are refused.
 * no position in the key (layers without positional encoding; ALiBi-style biases, which
   depend only on distances): the rows move unchanged.
 * position mixed into the hidden states (learned or sinusoidal absolute positions): no
@@ -93,7 +94,23 @@ def inverse_frequencies(config: dict, dim: int) -> tuple[float, ...]:
         return tuple(base / float(params["factor"]))
     if kind == "yarn":
         return tuple(_yarn(params, theta, dim, base))
-    raise ChunkReuseRefused(f"rope type {kind!r} is not one kvc can move keys for (default, linear, yarn)")
+    if kind == "llama3":
+        return tuple(_llama3(params, base))
+    raise ChunkReuseRefused(f"rope type {kind!r} is not one kvc can move keys for (default, linear, yarn, llama3)")
+
+
+def _llama3(params: dict, base: np.ndarray) -> np.ndarray:
+    """Llama 3.1's frequencies (transformers' _compute_llama3_parameters): a wavelength below
+    original / high_freq_factor keeps its frequency, one above original / low_freq_factor is
+    divided by `factor`, and those between blend the two by where they fall."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / base
+    scaled = np.where(wavelen > original / low, base / factor, base)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def _yarn(params: dict, theta: float, dim: int, base: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ import pytest
 import kvc.ir as ir
 from kvc import fixtures
 from kvc.cache.chunks import ChunkReuse
-from kvc.cache.moves import ChunkReuseRefused, calibrate, candidates, model_config
+from kvc.cache.moves import ChunkReuseRefused, calibrate, candidates, inverse_frequencies, model_config
 from kvc.cache.prefix import PrefixCache
 from kvc.cache.serving import CachedPipeline
 from kvc.errors import UsageError
@@ -225,6 +225,19 @@ def test_a_config_that_does_not_explain_the_keys_is_refused(change, message):
     config = {**model_config(fixtures.path("llama")), **change}
     with pytest.raises(ChunkReuseRefused, match=message):
         calibrate(pipeline("llama"), config)
+
+
+def test_llama3_rope_scaling_is_read_and_checked():
+    """llama3_rope's keys move at Llama 3.1's scaled frequencies (one kept, two blended, five
+    divided by 8, as transformers computes them); read as the unscaled rope they are refused."""
+    config = model_config(fixtures.path("llama3_rope"))
+    freqs = np.array(inverse_frequencies(config, 16))
+    base = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
+    np.testing.assert_allclose(freqs / base, [1, 0.772812, 0.130423, 0.125, 0.125, 0.125, 0.125, 0.125], rtol=1e-5)
+    calibrate(pipeline("llama3_rope"), config)
+    unscaled = {**config, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    with pytest.raises(ChunkReuseRefused, match="match no rotation"):
+        calibrate(pipeline("llama3_rope"), unscaled)
 
 
 def test_without_a_config_only_unrotated_keys_move():
