@@ -32,10 +32,13 @@ integer positions converted to floating point, the positions computed from a Cum
 last axis of a rank-2 tensor through element-wise integer arithmetic and Unsqueeze (which keep
 that axis last), and the product reaching attention only as an additive mask: through
 reshapes, conversions and a masked fill (Select) into ScaledDotProductAttention's mask input,
-or into an Add whose result goes only to a Softmax over the last axis. A misfire (a reshape
-that moved the key axis) would shift each row by more than a constant, which the compile's
-check of the IR against the source refuses. MPT's ALiBi (``slopes x arange(1 - M, 1)``) is
-measured from the newest slot already (mask-positions' right-aligned-table).
+or into an Add whose result goes only to a Softmax over the last axis. The positions must
+become f32 (or f64), which holds them exactly; Falcon's ALiBi (transformers' ``slopes.bfloat16()
+x positions``) makes them bf16, exact only to 256, and is left alone: past 256 the source rounds
+the absolute positions, and the shifted ones would round otherwise. A misfire (a reshape that
+moved the key axis) would shift each row by more than a constant, which the compile's check of
+the IR against the source refuses. MPT's ALiBi (``slopes x arange(1 - M, 1)``) is measured from
+the newest slot already (mask-positions' right-aligned-table).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ log = logging.getLogger(__name__)
 _LAYOUT = ("Reshape", "Unsqueeze", "Squeeze", "Convert")  # carry the bias, any input
 _FIRST_INPUT = ("ConvertLike", "Broadcast")  # carry the bias in input 0 only
 _MAX_PATH = 12  # nodes between the slopes' Multiply and the attention it biases
+# The float types positions may become: exact for every integer to 2^24 (f32). Falcon's become
+# bf16, exact only to 256; past that its bias is slopes x round(position), and shifted positions
+# would round otherwise, a different function and not a constant per row.
+_EXACT_POSITIONS = (ov.Type.f32, ov.Type.f64)
 
 
 def _axis_last(node: ov.Node) -> bool:
@@ -132,6 +139,9 @@ def _match(multiply: ov.Node):
     positions = convert.input_value(0)
     if not positions.get_element_type().is_integral() or not convert.get_output_element_type(0).is_real():
         raise NoMatch("not integers converted to floating point")
+    if convert.get_output_element_type(0) not in _EXACT_POSITIONS:
+        raise NoMatch(f"positions converted to {convert.get_output_element_type(0).get_type_name()}, exact only "
+                      "for small integers: the source rounds its absolute positions, shifted ones would round otherwise")
     if not _positions_from_cumsum(positions):
         raise NoMatch("the integers are not positions from a CumSum over the mask's last axis")
     if not _only_additive_mask(multiply.output(0)):

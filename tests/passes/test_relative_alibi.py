@@ -21,12 +21,13 @@ SLOPES = np.array([0.25, 0.0625, 0.015625, 0.00390625], np.float32).reshape(1, H
 
 
 def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also_out: bool = False,
-                softmax_axis: int = -1) -> ov.Model:
+                softmax_axis: int = -1, positions_type: str = "f32") -> ov.Model:
     """Attention of q [1, H, Q, D] over k, v [1, H, K, D] with BLOOM's bias
     slopes x ((cumsum(mask) - 1) x mask), masked where the mask is 0. `positions_from`:
     "cumsum" (BLOOM), or "input" (given positions, not a CumSum); `bias_also_out`: the bias is
     a model output too (another use than the attention mask); `softmax_axis`: 2 normalizes over
-    the queries, where a shift per key row is no constant."""
+    the queries, where a shift per key row is no constant; `positions_type`: the float type
+    the positions become (Falcon: bf16, the slopes too, the bias then converted to f32)."""
     q = ops.parameter([1, H, Q, D], np.float32, name="q")
     k = ops.parameter([1, H, K, D], np.float32, name="k")
     v = ops.parameter([1, H, K, D], np.float32, name="v")
@@ -38,7 +39,10 @@ def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also
     else:
         positions = ops.parameter([1, K], np.int64, name="positions")
         params.append(positions)
-    bias = ops.multiply(ops.constant(SLOPES), ops.convert(ops.unsqueeze(positions, ops.constant(np.int64(1))), "f32"))
+    slopes = ops.constant(SLOPES) if positions_type == "f32" else ops.constant(SLOPES, dtype=ov.Type.bf16)
+    bias = ops.multiply(slopes, ops.convert(ops.unsqueeze(positions, ops.constant(np.int64(1))), positions_type))
+    if positions_type != "f32":
+        bias = ops.convert(bias, "f32")
     bias4 = ops.unsqueeze(bias, ops.constant(np.int64(2)))  # [1, H, 1, K]
     keep = ops.convert(ops.unsqueeze(mask, ops.constant(np.array([1, 2], np.int64))), "boolean")
     masked = ops.select(keep, bias4, ops.constant(np.float32(-3.0e38)))
@@ -116,10 +120,22 @@ def test_other_uses_and_other_positions_are_left_alone():
         assert any(why in reason for _, _, reason in record.rule_misses), record.rule_misses
 
 
+def test_positions_rounded_to_bf16_are_left_alone():
+    """Falcon's ALiBi makes its positions bf16, exact only to 256: past that the source's bias is
+    slopes x round(position), and shifted positions round otherwise: over this model's 1024 keys
+    the rewrite, allowed, moved the attention's outputs by 0.21 (max abs), where it must not move."""
+    model = alibi_model(positions_type="bf16")
+    text = ir.to_text(model)
+    record = run(model).records[0]
+    assert not record.modified and ir.to_text(model) == text
+    assert any("positions converted to bf16" in reason for _, _, reason in record.rule_misses), record.rule_misses
+
+
 def test_bloom_is_rewritten_and_mpt_and_llama_are_not():
     lifted = PassManager(parse_pipeline("lift-state"), use_env=False).run(ir.load(fixtures.path("bloom"))).model
     assert run(lifted).records[0].rule_hits == {"relative-alibi/cumsum-positions": 1}  # one bias, every layer
-    for name in ("mpt", "llama"):  # MPT's ALiBi is measured from the newest slot already
+    # MPT's ALiBi is measured from the newest slot already; Falcon's positions become bf16
+    for name in ("mpt", "llama", "falcon_alibi"):
         model = ir.load(fixtures.path(name))
         text = ir.to_text(model)
         assert not run(model).records[0].modified and ir.to_text(model) == text
