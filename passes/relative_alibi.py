@@ -122,6 +122,9 @@ def _only_additive_mask(value: ov.Output, seen: int = 0) -> int:
             reached += 1
         elif kind == "Add" and all(_softmax_over_last(t.get_node()) for t in node.output(0).get_target_inputs()):
             reached += 1
+        elif kind in ("Convert", "ConvertLike") and node.get_output_element_type(0) not in _EXACT_POSITIONS:
+            raise NoMatch(f"the bias is rounded to {node.get_output_element_type(0).get_type_name()} at "
+                          f"{describe_node(node)}: the source rounds its absolute bias, a shifted one rounds otherwise")
         elif kind in _LAYOUT or (kind in _FIRST_INPUT and port == 0) or (kind == "Select" and port in (1, 2)):
             reached += _only_additive_mask(node.output(0), seen + 1)
         else:

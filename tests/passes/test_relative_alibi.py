@@ -21,13 +21,14 @@ SLOPES = np.array([0.25, 0.0625, 0.015625, 0.00390625], np.float32).reshape(1, H
 
 
 def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also_out: bool = False,
-                softmax_axis: int = -1, positions_type: str = "f32") -> ov.Model:
+                softmax_axis: int = -1, positions_type: str = "f32", bias_rounded: bool = False) -> ov.Model:
     """Attention of q [1, H, Q, D] over k, v [1, H, K, D] with BLOOM's bias
     slopes x ((cumsum(mask) - 1) x mask), masked where the mask is 0. `positions_from`:
     "cumsum" (BLOOM), or "input" (given positions, not a CumSum); `bias_also_out`: the bias is
     a model output too (another use than the attention mask); `softmax_axis`: 2 normalizes over
     the queries, where a shift per key row is no constant; `positions_type`: the float type
-    the positions become (Falcon: bf16, the slopes too, the bias then converted to f32)."""
+    the positions become (Falcon: bf16, the slopes too, the bias then converted to f32);
+    `bias_rounded`: the f32 bias rounded to bf16 and back before it is added."""
     q = ops.parameter([1, H, Q, D], np.float32, name="q")
     k = ops.parameter([1, H, K, D], np.float32, name="k")
     v = ops.parameter([1, H, K, D], np.float32, name="v")
@@ -43,6 +44,8 @@ def alibi_model(*, sdpa: bool = False, positions_from: str = "cumsum", bias_also
     bias = ops.multiply(slopes, ops.convert(ops.unsqueeze(positions, ops.constant(np.int64(1))), positions_type))
     if positions_type != "f32":
         bias = ops.convert(bias, "f32")
+    if bias_rounded:
+        bias = ops.convert(ops.convert(bias, "bf16"), "f32")
     bias4 = ops.unsqueeze(bias, ops.constant(np.int64(2)))  # [1, H, 1, K]
     keep = ops.convert(ops.unsqueeze(mask, ops.constant(np.array([1, 2], np.int64))), "boolean")
     masked = ops.select(keep, bias4, ops.constant(np.float32(-3.0e38)))
@@ -113,7 +116,8 @@ def test_at_bf16_the_relative_bias_keeps_the_scores():
 def test_other_uses_and_other_positions_are_left_alone():
     for model, why in ((alibi_model(bias_also_out=True), "not only an attention mask"),
                        (alibi_model(positions_from="input"), "not positions from a CumSum"),
-                       (alibi_model(softmax_axis=2), "not only an attention mask")):
+                       (alibi_model(softmax_axis=2), "not only an attention mask"),
+                       (alibi_model(bias_rounded=True), "the bias is rounded to bf16")):
         text = ir.to_text(model)
         record = run(model).records[0]
         assert not record.modified and ir.to_text(model) == text
