@@ -265,9 +265,7 @@ class Interpreter:
                 spec = spec_of(node)
                 if self.widen or node in in_f32:
                     spec = _in_f32(spec, bf16=self.widen)
-                kernel = lookup(tname, node.get_type_info().version_id)(spec)
-                if node in rounded:
-                    kernel = _f16_rounded
+                kernel = _f16_rounded if node in rounded else lookup(tname, node.get_type_info().version_id)(spec)
                 outs = new_slots(node)
                 if fold and ins and all(i in consts for i in ins):
                     folded = self._try_fold(kernel, [consts[i] for i in ins], node)

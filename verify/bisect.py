@@ -184,7 +184,8 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
             continue
         worst, failed = None, None
         session = NumpySession(model)
-        for case in static_cases(model, rows):  # each call the compile's probes make of such a model
+        calls = static_cases(model, rows)
+        for case in calls:  # each call the compile's probes make of such a model
             feed = static_feed(model, lifted, tokens, case, rows, memo)
             out = session.infer(feed.inputs)["logits"][0][feed.rows]
             a, n, ok = _judge(feed.ref_logits, out, feed.f16)
@@ -195,7 +196,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         why = unread.changed(model)
         if experts and why is None:
             why = _forced_static(model, lifted, tokens, experts)
-        cases[i] = (failed or static_cases(model, rows)[0], rows)
+        cases[i] = (failed or calls[0], rows)
         probe = f"{failed[1]} token{'s' * (failed[1] > 1)} over {failed[0]} cached" if failed else ""
         stages.append((i, Stage(branch, i, p.spec(), *worst, failed is None and why is None, reason=why or "",
                                 probe=probe)))
