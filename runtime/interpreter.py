@@ -97,6 +97,43 @@ def _in_f32(spec, bf16: bool = False):
                    output_etypes=tuple("f32" if t in wide else t for t in spec.output_etypes))
 
 
+_HALF = {"f16", "bf16"}
+
+
+def kv_boundary_nodes(model: ov.Model) -> set:
+    """The nodes a widened interpreter computes at f32: those that read or write an f16 or
+    bf16 value connected by f16 and bf16 values alone to an input or an output (kv-io's
+    conversions at a static model's KV boundary: a past input, its Transpose and its Convert
+    to f32; the Convert to f16 or bf16 before a present output; an int8 cache's f16 scales).
+    The model's own reduced arithmetic is not widened: Falcon's ALiBi takes its positions at
+    bf16 (transformers' `slopes.bfloat16() x positions`), which OpenVINO CPU at f32 rounds as
+    the source does, and unrounded they are another function past 256 positions."""
+    def half(port) -> bool:
+        return port.get_element_type().get_type_name() in _HALF
+
+    found: set = set()
+    stack = [p.output(0) for p in model.get_parameters() if half(p.output(0))]
+    stack += [r.input_value(0) for r in model.get_results() if half(r.input_value(0))]
+    seen: set = set()
+    while stack:
+        port = stack.pop()
+        key = (port.get_node(), port.get_index())
+        if key in seen:
+            continue
+        seen.add(key)
+        node = port.get_node()
+        if node.get_type_name() not in ("Parameter", "Constant"):
+            found.add(node)
+            stack += [i.get_source_output() for i in node.inputs() if half(i.get_source_output())]
+        for target in port.get_target_inputs():
+            user = target.get_node()
+            if user.get_type_name() == "Result":
+                continue
+            found.add(user)
+            stack += [o for o in user.outputs() if half(o)]
+    return found
+
+
 def input_dtype(port: ov.Output, widen: bool = False) -> np.dtype:
     """The array type an input port takes on kvc's interpreter: its element type's (`to_dtype`),
     f32 for f16 and i8 ones when the interpreter `widen`s (an int8 KV cache's inputs are its
@@ -209,7 +246,8 @@ class Interpreter:
     """A prepared model; `run` evaluates it, `state` holds its variables between runs."""
 
     def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False):
-        """`widen`: compute every f16 and bf16 value at f32, unrounded, inputs included, and
+        """`widen`: compute the f16 and bf16 values of the KV boundary at f32, unrounded
+        (`kv_boundary_nodes`), inputs included, and
         an int8 cache's values unrounded too (`int8_quantizers` pass their input through as
         f32; its i8 inputs take f32, which the dequantization reads back exactly): the exact
         twin of a static model whose KV cache is stored at f16, bf16 or int8 (kv-io's
@@ -241,6 +279,7 @@ class Interpreter:
 
         in_f32, rounded = decompression_nodes(self.model)
         unrounded = int8_quantizers(self.model) if self.widen else set()
+        wide = kv_boundary_nodes(self.model) if self.widen else set()
         for node in ops:
             tname = node.get_type_name()
             ins = tuple(slot[(i.get_source_output().get_node(), i.get_source_output().get_index())]
@@ -263,8 +302,8 @@ class Interpreter:
                 steps.append((_unrounded, ins, new_slots(node), node))
             else:
                 spec = spec_of(node)
-                if self.widen or node in in_f32:
-                    spec = _in_f32(spec, bf16=self.widen)
+                if node in wide or node in in_f32:
+                    spec = _in_f32(spec, bf16=node in wide)
                 kernel = _f16_rounded if node in rounded else lookup(tname, node.get_type_info().version_id)(spec)
                 outs = new_slots(node)
                 if fold and ins and all(i in consts for i in ins):

@@ -306,10 +306,17 @@ def convert_array(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Values rounded (to nearest, ties to even) to bf16, kept as f32: kvc's bf16 representation."""
+    """Values rounded to bf16 as OpenVINO rounds them, kept as f32: kvc's bf16 representation.
+
+    OpenVINO's `bfloat16::round_to_nearest_even` (src/core/include/openvino/core/type/
+    bfloat16.hpp), which its constant folding and the CPU plugin's Convert both use, adds half
+    a unit only when the kept part is odd: the dropped bits round up only when the kept part is
+    odd and they are at least half a unit, and an even kept part truncates. IEEE's nearest-even
+    (PyTorch's, ml_dtypes') rounds 515 to 516; OpenVINO to 512 (a bias slope x 515 of
+    Falcon's ALiBi: tests/runtime/test_bf16.py). The model kvc proves is OpenVINO's."""
     f = np.ascontiguousarray(x, dtype=np.float32)
     bits = f.view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    rounded = ((bits + ((bits & np.uint32(0x10000)) >> np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
     return np.where(np.isnan(f), f, rounded)
 
 
