@@ -4,7 +4,8 @@ A model is *prepared* once: every op gets its kernel from the op table, values g
 slots, constants are bound to their (memory-mapped) data, constant subgraphs are folded,
 and each value is scheduled to be freed after its last use. Running is then a flat loop
 over steps, with no per-call graph analysis. OpenVINO reads the graph; it never computes a
-value here.
+value here (once per process, a tiny compile asks whether this host's CPU plugin rounds a
+model's own bf16 values at all: `cpu_rounds_bf16`).
 
 State follows OpenVINO's semantics: a ReadValue returns its variable's value, or evaluates
 its init input when the variable is empty; Assigns take effect when the call finishes.
@@ -132,6 +133,33 @@ def kv_boundary_nodes(model: ov.Model) -> set:
             found.add(user)
             stack += [o for o in user.outputs() if half(o)]
     return found
+
+
+@functools.cache
+def cpu_rounds_bf16() -> bool:
+    """Whether OpenVINO CPU at f32 rounds a model's own values to bf16 where the model converts
+    them (Falcon's ALiBi positions, `slopes.bfloat16() x positions`). A host with bf16 rounds
+    them as OpenVINO's bfloat16 does (`round_to_bf16`); one without (AVX2: the plugin's
+    ConvertPrecision makes bf16 f32) computes them unrounded, and so does kvc's interpreter
+    there: what it proves is what OpenVINO computes for the IR, which its checks compare with
+    OpenVINO CPU's run of the source (tests/runtime/test_bf16.py, ONEDNN_MAX_CPU_ISA=AVX2). The
+    cache's own conversions (`kv_boundary_nodes`) round on every host. One tiny compile, once."""
+    import openvino.opset13 as ops
+
+    from kvc.ir.reader import core
+
+    x = ops.parameter([-1], ov.Type.f32)
+    model = ov.Model([ops.convert(ops.convert(x, ov.Type.bf16), ov.Type.f32)], [x])
+    got = core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(np.array([515.0], np.float32))[0]
+    return float(got[0]) != 515.0
+
+
+def _own_bf16(model: ov.Model, boundary: set) -> set:
+    """The model's own Converts to bf16 (not the cache's), which a host whose CPU computes bf16
+    as f32 leaves unrounded (`cpu_rounds_bf16`)."""
+    own = {n for n in model.get_ordered_ops() if n.get_type_name() == "Convert" and n not in boundary
+           and n.get_output_element_type(0) == ov.Type.bf16}
+    return own if own and not cpu_rounds_bf16() else set()
 
 
 def input_dtype(port: ov.Output, widen: bool = False) -> np.dtype:
@@ -279,7 +307,8 @@ class Interpreter:
 
         in_f32, rounded = decompression_nodes(self.model)
         unrounded = int8_quantizers(self.model) if self.widen else set()
-        wide = kv_boundary_nodes(self.model) if self.widen else set()
+        boundary = kv_boundary_nodes(self.model)
+        wide = (boundary if self.widen else set()) | _own_bf16(self.model, boundary)
         for node in ops:
             tname = node.get_type_name()
             ins = tuple(slot[(i.get_source_output().get_node(), i.get_source_output().get_index())]

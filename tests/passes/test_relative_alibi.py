@@ -168,6 +168,15 @@ def test_bloom_compiles_at_the_cpu_default_with_a_short_prompt_bound(tmp_path):
     assert (out / "manifest.json").is_file()
 
 
+def falcon_1024(tmp_path):
+    """The falcon_alibi fixture with 1024 positions in its config.json (the IR has no bound)."""
+    source = tmp_path / "falcon1024"
+    shutil.copytree(fixtures.path("falcon_alibi"), source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return source
+
+
 def test_falcon_alibi_past_512_positions_compiles_at_the_cpu_default(tmp_path):
     """The falcon_alibi fixture given 1024 positions (its config.json; the IR has no bound):
     three false refusals, each fixed. The IR check ran the IR widened, the model's own bf16
@@ -175,10 +184,6 @@ def test_falcon_alibi_past_512_positions_compiles_at_the_cpu_default(tmp_path):
     as OpenVINO (0.29 on 521 tokens, `tests/runtime/test_bf16.py`); then the bf16 blobs, their
     absolute bias up to 223 added at bf16, drifted 0.054 of the logits' spread where OpenVINO's
     stateful bf16 run drifts 0.011 (relative-alibi: 0.0095)."""
-    source = tmp_path / "falcon1024"
-    shutil.copytree(fixtures.path("falcon_alibi"), source)
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     out = tmp_path / "out"
-    kvc("compile", source, "-o", out, "--max-prompt-len", "768", "--min-response-len", "128")
+    kvc("compile", falcon_1024(tmp_path), "-o", out, "--max-prompt-len", "768", "--min-response-len", "128")
     assert (out / "manifest.json").is_file()

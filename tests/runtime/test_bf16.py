@@ -5,13 +5,19 @@ part. Falcon's ALiBi (`slopes.bfloat16() x positions`) takes positions past 512 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 from openvino import passes
 
-from kvc.runtime.interpreter import Interpreter
+from kvc.runtime.interpreter import Interpreter, cpu_rounds_bf16
 from kvc.runtime.ops.movement import round_to_bf16
+from tests.passes.test_relative_alibi import falcon_1024
 
 
 def _values() -> np.ndarray:
@@ -56,7 +62,7 @@ def test_bf16_rounds_as_openvino_cpu_converts_a_source_models_values():
     plugin's fusions."""
     x = _values()
     cpu = _on_cpu(x, [-1])
-    if cpu[515] == 515:  # a CPU without bf16 computes it at f32 (ConvertPrecision): no rounding at all
+    if not cpu_rounds_bf16():  # a CPU without bf16 computes it at f32 (ConvertPrecision): no rounding at all
         assert np.array_equal(cpu[:4096], x[:4096])
         return
     np.testing.assert_array_equal(round_to_bf16(x), cpu)
@@ -70,9 +76,41 @@ def test_not_ieee_nearest_even():
     np.testing.assert_array_equal(got, [512, 520, 520, 1.0])
 
 
-def test_the_interpreter_converts_to_bf16_so():
+def _positions_model() -> ov.Model:
     p = ops.parameter([3], ov.Type.i64, name="positions")
     model = ov.Model([ops.convert(ops.convert(p, ov.Type.bf16), ov.Type.f32)], [p])
     model.output(0).get_tensor().set_names({"y"})
-    got = Interpreter(model).run({"positions": np.array([515, 523, 531])})["y"]
-    np.testing.assert_array_equal(got, [512, 520, 528])
+    return model
+
+
+def test_the_interpreter_converts_a_models_own_values_as_the_cpu_does():
+    positions = np.array([515, 523, 531])
+    got = Interpreter(_positions_model()).run({"positions": positions})["y"]
+    cpu = ov.Core().compile_model(_positions_model(), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(positions)[0]
+    np.testing.assert_array_equal(got, cpu)
+    np.testing.assert_array_equal(got, [512, 520, 528] if cpu_rounds_bf16() else positions)
+
+
+# A host whose CPU has no bf16 (AVX2 alone: Meteor Lake, the first NPU laptops), as oneDNN is told
+# to see this one: the plugin computes a model's bf16 values at f32, and so must kvc's interpreter.
+AVX2 = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_on_a_cpu_without_bf16_the_interpreter_leaves_a_models_own_bf16_unrounded():
+    code = ("import numpy as np; from kvc.runtime.interpreter import Interpreter, cpu_rounds_bf16; "
+            "from tests.runtime.test_bf16 import _positions_model; "
+            "print(cpu_rounds_bf16(), Interpreter(_positions_model()).run({'positions': np.array([515, 523, 531])})['y'])")
+    out = subprocess.run([sys.executable, "-c", code], env=AVX2, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "[515.", "523.", "531.]"], out
+
+
+def test_falcon_alibi_past_512_positions_compiles_on_a_cpu_without_bf16(tmp_path):
+    """There the source's positions are not rounded (OpenVINO CPU computes them at f32): kvc's
+    IR check, rounding them, refused the correct compile (0.114 on 521 tokens)."""
+    source = falcon_1024(tmp_path)
+    exe = shutil.which("kvc", path=os.path.dirname(sys.executable))
+    # f32 as such a host's plugin picks (this one's still reports bf16, which oneDNN then lacks)
+    done = subprocess.run([exe, "compile", str(source), "-o", str(tmp_path / "out"), "--max-prompt-len", "768",
+                           "--min-response-len", "128", "--inference-precision", "f32"],
+                          env=AVX2, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
