@@ -306,14 +306,26 @@ def convert_array(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Values rounded to bf16 as OpenVINO rounds them, kept as f32: kvc's bf16 representation.
+    """Values rounded to bf16 by IEEE's nearest even, kept as f32: kvc's bf16 representation,
+    as OpenVINO CPU rounds bf16 arithmetic and a static model's f32 -> bf16 Convert (its JIT
+    kernels' conversion: a bf16 cache written by a blob; PyTorch's rounding too). An integer's
+    Convert to bf16 rounds as `openvino_bf16` (tests/runtime/test_bf16.py)."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(f), f, rounded)
 
-    OpenVINO's `bfloat16::round_to_nearest_even` (src/core/include/openvino/core/type/
-    bfloat16.hpp), which its constant folding and the CPU plugin's Convert both use, adds half
-    a unit only when the kept part is odd: the dropped bits round up only when the kept part is
-    odd and they are at least half a unit, and an even kept part truncates. IEEE's nearest-even
-    (PyTorch's, ml_dtypes') rounds 515 to 516; OpenVINO to 512 (a bias slope x 515 of
-    Falcon's ALiBi: tests/runtime/test_bf16.py). The model kvc proves is OpenVINO's."""
+
+def openvino_bf16(x: np.ndarray) -> np.ndarray:
+    """Values rounded to bf16 as OpenVINO's `bfloat16::round_to_nearest_even` rounds them
+    (src/core/include/openvino/core/type/bfloat16.hpp), kept as f32: half a unit is added only
+    when the kept part is odd, so an even kept part truncates (515: 512, where IEEE gives 516).
+    OpenVINO's constant folding rounds so, and the CPU plugin so converts an integer to bf16
+    (any shape) and an f32 of dynamic shape: Falcon's ALiBi positions
+    (`slopes.bfloat16() x positions`) in the source model and in the static ones. kvc rounds an
+    integer's Convert so; an f32's by IEEE (`round_to_bf16`), as the static models run it:
+    a source model's runtime f32 -> bf16 Convert would be a unit apart where the two differ
+    (none in the zoo)."""
     f = np.ascontiguousarray(x, dtype=np.float32)
     bits = f.view(np.uint32)
     rounded = ((bits + ((bits & np.uint32(0x10000)) >> np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
@@ -328,6 +340,8 @@ def _converter(spec: NodeSpec):
         raise NotImplementedError(f"{spec.type} '{spec.name}' to element type {dest}, which kvc's interpreter "
                                   "does not implement")
     if dest == "bf16":  # computed as f32, but the values must be bf16's
+        if spec.input_types and np.issubdtype(spec.input_types[0], np.integer):
+            return lambda x: openvino_bf16(convert_array(x, out))
         return lambda x: round_to_bf16(convert_array(x, out))
     if dest == "u4":  # held one per byte: truncate, then wrap to 4 bits like any integer Convert
         return lambda x: convert_array(x, out) & np.uint8(0x0F)

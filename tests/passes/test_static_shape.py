@@ -204,7 +204,7 @@ def test_prefill_shapes(fixture_name):
     assert not any(n.startswith("past_key_values") for n in ins), "empty past inputs are removed"
     outs = shapes(model.outputs)
     assert outs["logits"][0] == [1, 64, cfg["vocab_size"]]
-    assert outs["present.0.key"] == ([1, heads, 64, 16], "f32")
+    assert outs["present.0.key"] == ([1, heads, 64, cfg["head_dim"]], "f32")
 
 
 def test_chunked_prefill_and_generate_shapes(fixture_name):
@@ -217,8 +217,8 @@ def test_chunked_prefill_and_generate_shapes(fixture_name):
     ins, outs = shapes(gen.inputs), shapes(gen.outputs)
     assert tokens(ins, 1, cfg) and ins["attention_mask"][0] == [1, 96]
     assert ins["past_key_values.0.key"][0][2] == 95 and ins["past_key_values.0.key"][1] == "f16"
-    assert ins["past_key_values.0.value"][0][2:] == [16, 95], "V transposed: sequence last"
-    assert outs["present.0.value"] == ([1, ins["past_key_values.0.value"][0][1], 16, 1], "f16")
+    assert ins["past_key_values.0.value"][0][2:] == [cfg["head_dim"], 95], "V transposed: sequence last"
+    assert outs["present.0.value"] == ([1, ins["past_key_values.0.value"][0][1], cfg["head_dim"], 1], "f16")
     assert outs["logits"][0] == [1, 1, cfg["vocab_size"]]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
+from kvc.runtime.ops.movement import round_to_bf16
 from kvc.runtime.interpreter import EvaluationError, InputError, Interpreter, UnsupportedOpError, check_supported
 from kvc.runtime.session import open_session
 from tests.passes.models import counter_model
@@ -178,8 +179,7 @@ def test_widened_the_interpreter_rounds_nothing_at_the_kv_boundary(kv):
     model.output(0).get_tensor().set_names({"y"})
     model.output(1).get_tensor().set_names({"present"})
     values = np.array([1.0, 2.0, 515.0, 1e-3], np.float32)
-    rounded = np.array([1.0, 2.0, 512.0, 1e-3], np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
-    rounded = rounded.view(np.float32)  # bf16 as OpenVINO rounds it (515: 512)
+    rounded = round_to_bf16(values)
     third = np.array([0.1, 0.2, 0.3, 0.4], np.float32) / np.float32(3)
     wide, narrow = Interpreter(model, widen=True), Interpreter(model)
     got = wide.run({"x": values, "past": third})
