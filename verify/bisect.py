@@ -6,7 +6,9 @@ by greedy logits over a few steps, static stages (each branch: prefill and the g
 variants) by steps of the NPU contract against the lifted source (`static_cases`: the past
 half full, empty and full, a call full and of one token, so that the last slots and positions
 a model has and its pad rows are run, as the compile's probes run them; a first chunk of
-dynamic rows on calls of 1 to F rows). Each pass is judged on
+dynamic rows on calls of 1 to F rows), the logits and the cache rows each step writes (its
+present outputs' new rows against the source's for the same positions: a step that wrote one
+layer's keys and values into each other's buffers had the right logits). Each pass is judged on
 its own (tolerance 1e-4; NRMSE 0.01 once KV is f16). A mixture of experts is judged again
 with every router forced on both sides (kvc.verify.experts), as the compile judges it, so that
 an expert the probe's router never picks is run too: a step of fewer rows than ceil(E / k)
@@ -39,7 +41,7 @@ from kvc.verify.embedding import model_differs, source_table
 from kvc.verify.experts import experts_of, force_routers, forced_routing
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
-from kvc.verify.probe import dynamic_logits, dynamic_rows, is_static, static_cases, static_feed
+from kvc.verify.probe import dynamic_logits, dynamic_rows, is_static, static_cases, static_feed, written_rows
 
 
 @dataclass
@@ -182,18 +184,22 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         rows = bound if bound and dynamic_rows(model) else None
         if not (is_static(model) or rows):
             continue
-        worst, failed = None, None
+        worst, failed, why_rows = None, None, None
         session = NumpySession(model)
         calls = static_cases(model, rows)
         for case in calls:  # each call the compile's probes make of such a model
             feed = static_feed(model, lifted, tokens, case, rows, memo)
-            out = session.infer(feed.inputs)["logits"][0][feed.rows]
-            a, n, ok = _judge(feed.ref_logits, out, feed.f16)
+            outputs = session.infer(feed.inputs)
+            a, n, ok = _judge(feed.ref_logits, outputs["logits"][0][feed.rows], feed.f16)
             worst = (a, n) if worst is None else (max(worst[0], a), max(worst[1], n))
+            if ok:
+                cache = _wrong_rows(model, outputs, feed)
+                if cache is not None:
+                    ok, why_rows = False, cache
             if not ok:
                 failed = case
                 break
-        why = unread.changed(model)
+        why = why_rows or unread.changed(model)
         if experts and why is None:
             why = _forced_static(model, lifted, tokens, experts)
         cases[i] = (failed or calls[0], rows)
@@ -217,6 +223,22 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         report.first_tensor = first_diverging_tensor(
             before, after, lambda s: static_feed(s.interpreter.model, lifted, tokens, case, rows, memo).inputs)
     return True
+
+
+def _wrong_rows(model: ov.Model, outputs: dict, feed) -> str | None:
+    """Why the cache rows a static step wrote are not the source's for the same positions, or
+    None: each present output's new rows (`written_rows`) against the lifted source's (an f16 or
+    bf16 cache by F16_NRMSE). The logits alone missed a step that wrote layer 1's keys into its
+    values' buffer and back: the next step reads them (tests/mutation: chunk_swap_present_kv_layer1)."""
+    for name, got in written_rows(model, outputs, feed.positions).items():
+        ref = feed.ref_rows.get(name)
+        if ref is None or ref.shape != got.shape:
+            continue
+        port = next(o for o in model.outputs if name in o.get_names())
+        a, n, ok = _judge(ref, got, port.get_element_type() in (ov.Type.f16, ov.Type.bf16))
+        if not ok:
+            return f"the cache rows it writes to {name} differ (max abs {a:.3g}, NRMSE {n:.3g})"
+    return None
 
 
 def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for) -> dict | None:

@@ -34,6 +34,7 @@ class StaticFeed:
     ref_logits: np.ndarray  # [n, V] reference logits for those positions
     f16: bool
     positions: int  # how many positions the step runs (its valid input rows)
+    ref_rows: dict[str, np.ndarray] | None = None  # present name -> [1, H, n, D]: the rows this step writes
 
 
 def is_static(model: ov.Model) -> bool:
@@ -78,8 +79,10 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
         if k:
             out = ref.infer(first_step_feed(ref, seq[:k]))
             cache = {name: out[present_name(name)] for name in pasts}
-        memo[k, n] = pasts, cache, ref.infer(first_step_feed(ref, seq))["logits"][0, k:k + n]
-    pasts, cache, ref_logits = memo[k, n]
+        full = ref.infer(first_step_feed(ref, seq))
+        written = {present_name(name): full[present_name(name)][:, :, k:k + n] for name in pasts}
+        memo[k, n] = pasts, cache, full["logits"][0, k:k + n], written
+    pasts, cache, ref_logits, written = memo[k, n]
     feed: dict[str, np.ndarray] = {}
     ids = np.zeros((1, L), np.int64)
     ids[0, L - n:] = seq[k:]
@@ -103,7 +106,33 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
     rows = slice(logits_len - n, logits_len) if logits_len == L else slice(logits_len - 1, logits_len)
     if logits_len != L:
         ref_logits = ref_logits[-1:]
-    return StaticFeed(feed, rows, ref_logits, f16, n)
+    return StaticFeed(feed, rows, ref_logits, f16, n, written)
+
+
+def written_rows(model: ov.Model, outputs: dict, n: int) -> dict[str, np.ndarray]:
+    """The rows a static step of `n` tokens wrote, by present name, as [1, H, n, D] f32: the
+    last `n` slots of each present output (its new rows only, or its whole cache, the new ones
+    last), read back from a values-last layout (kv-io's transpose_v, `_values_last`). An int8 cache's presents and scales are left out (read through dequantization)."""
+    found = {}
+    for result in model.get_results():
+        names = result.output(0).get_names()
+        name = next((m for m in names if m.startswith("present.") and m in outputs), None)
+        if name is None or name.endswith("_scale") or result.get_output_element_type(0) == ov.Type.i8:
+            continue
+        producer = result.input_value(0).get_node()
+        if producer.get_type_name() == "Convert":
+            producer = producer.input_value(0).get_node()
+        value = np.asarray(outputs[name], np.float32)
+        found[name] = np.swapaxes(value[..., -n:], 2, 3) if _values_last(producer) else value[:, :, -n:, :]
+    return found
+
+
+def _values_last(node: ov.Node) -> bool:
+    """kv-io's Transpose to a values-last layout ([B, H, D, S]: the last two axes swapped), not
+    a model's own (its heads' [B, S, H, D] -> [B, H, S, D])."""
+    if node.get_type_name() != "Transpose" or node.input_value(1).get_node().get_type_name() != "Constant":
+        return False
+    return list(node.input_value(1).get_node().get_data()) == [0, 1, 3, 2]
 
 
 def dynamic_rows(model: ov.Model) -> bool:

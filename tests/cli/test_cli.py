@@ -893,3 +893,20 @@ def test_bisect_runs_the_steps_the_compile_probes(monkeypatch, mutant, options, 
     assert list(applied.edits) == [branch]
     assert f"first bad pass: {applied.last[branch]} ({branch}, pass " in result.output
     assert f"on a call of {call}" in result.output and "first diverging tensor" in result.output
+
+
+@pytest.mark.parametrize("options", [(), ("--device", "NPU")], ids=["cpu", "npu-values-last"])
+def test_bisect_compares_the_cache_rows_a_step_writes(monkeypatch, options):
+    """A chunk model that writes layer 1's keys into its values' buffer and back computes the
+    right logits in the step itself; kvc compile refuses it by the cache rows, and kvc bisect,
+    which compared logits alone, said no pass changes the outputs (exit 0). It compares each
+    step's new cache rows too, read back from the NPU's values-last layout (with no false
+    failure: a clean bisect of the same options is exit 0)."""
+    from tests.mutation.mutants import apply_in_passes
+
+    clean = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, *options, "--json").stdout)
+    assert clean["ok"]
+    applied = apply_in_passes("chunk_swap_present_kv_layer1", monkeypatch.setattr)
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, *options, code=4)
+    assert f"first bad pass: {applied.last['prefill']} (prefill, pass " in result.output
+    assert "the cache rows it writes to present.1." in result.output
