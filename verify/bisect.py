@@ -36,12 +36,12 @@ from kvc.passes import PassFailure, PassManager
 from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
-from kvc.runtime.session import NumpySession
 from kvc.verify.embedding import model_differs, source_table
 from kvc.verify.experts import experts_of, force_routers, forced_routing
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
-from kvc.verify.probe import dynamic_logits, dynamic_rows, is_static, static_cases, static_feed, written_rows
+from kvc.verify.probe import (dynamic_logits, dynamic_rows, is_static, session_for, static_cases, static_feed,
+                              written_rows)
 
 
 @dataclass
@@ -151,7 +151,7 @@ def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int
         feed = static_feed(forced, force_routers(lifted.clone(), shift), tokens)
         if shift == 0 and feed.positions * per_token < count:
             shifts = 2 * math.ceil(count / per_token) - 1  # consecutive positions holding a whole round
-        a, n, ok = _judge(feed.ref_logits, NumpySession(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
+        a, n, ok = _judge(feed.ref_logits, session_for(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
         if not ok:
             return _forced_reason(experts, a, n)
         shift += 1
@@ -185,7 +185,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         if not (is_static(model) or rows):
             continue
         worst, failed, why_rows = None, None, None
-        session = NumpySession(model)
+        session = session_for(model)
         calls = static_cases(model, rows)
         for case in calls:  # each call the compile's probes make of such a model
             feed = static_feed(model, lifted, tokens, case, rows, memo)
@@ -244,7 +244,7 @@ def _wrong_rows(model: ov.Model, outputs: dict, feed) -> str | None:
 def first_diverging_tensor(before: ov.Model, after: ov.Model, feed_for) -> dict | None:
     """The first value (in `after`'s topological order) whose numbers differ from the
     same-named value of `before`, both run on the same logical input (`feed_for(session)`)."""
-    sessions = NumpySession(before), NumpySession(after)
+    sessions = session_for(before), session_for(after)
     (_, a_vals), (_, b_vals) = (s.capture(feed_for(s)) for s in sessions)
     for name, value in b_vals.items():
         ref = a_vals.get(name)

@@ -24,6 +24,7 @@ from kvc.ir.text_embeddings import TOKEN_EMBEDS
 from kvc.runtime.embeddings import embedder_of
 from kvc.runtime.generate import first_step_feed, greedy, present_name
 from kvc.runtime.ops.registry import to_dtype
+from kvc.passes.kv_io import scale_name
 from kvc.runtime.session import NumpySession
 
 
@@ -97,10 +98,14 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
     for name, port in ports.items():
         if name in candidates:
             feed[name] = candidates[name]
+        elif name.startswith("past_key_values") and name in pasts and port.get_element_type() == ov.Type.i8:
+            feed[name], feed[scale_name(name)] = _place_int8(cache.get(name), port, ports[scale_name(name)])
         elif name.startswith("past_key_values") and name in pasts:
             feed[name], is_f16 = _place(cache.get(name), port)
             f16 |= is_f16
-    f16 |= any(o.get_element_type() == ov.Type.f16 for o in model.outputs)
+    # an int8 cache's f16 scales are no f16 cache: its session is widened and exact (`session_for`)
+    f16 |= any(o.get_element_type() == ov.Type.f16 and not any(m.endswith("_scale") for m in o.get_names())
+               for o in model.outputs)
     logits_rows = next(o.get_partial_shape()[1] for o in model.outputs if "logits" in o.get_names())
     logits_len = logits_rows.get_length() if logits_rows.is_static else L
     rows = slice(logits_len - n, logits_len) if logits_len == L else slice(logits_len - 1, logits_len)
@@ -164,6 +169,38 @@ def static_cases(model: ov.Model, rows: int | None = None) -> list[tuple[int, in
     if not past:
         return list(dict.fromkeys([(0, max(1, L - 3)), (0, L), (0, 1)]))
     return list(dict.fromkeys([(past // 2, L), (0, L), (past, L), (past // 2, 1), (past, 1)]))
+
+
+def session_for(model: ov.Model) -> NumpySession:
+    """A static stage's session: widened when it stores an int8 cache (its i8 inputs then take
+    f32, read back through its own dequantization exactly, and its quantizers round nothing:
+    `kvc.runtime.interpreter.Interpreter`), so the stage is judged exactly, as the compile
+    judges its IR."""
+    return NumpySession(model, widen=any(p.get_element_type() == ov.Type.i8 for p in model.inputs))
+
+
+def _place_int8(rows: np.ndarray | None, port: ov.Output, scale: ov.Output) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [1, H, k, D] put left-aligned into an int8 past input and its scales, for a widened
+    session (`session_for`): each row as it is over scale 1, divided by the key channels the
+    dequantization multiplies by (kv-io), so that it reads back the very rows."""
+    q = np.zeros(list(port.get_shape()), np.float32)
+    ones = np.ones(list(scale.get_shape()), np.float32)
+    if rows is not None and rows.shape[2] and 0 not in q.shape:
+        q[:, :, :rows.shape[2], :] = rows / _key_channels(port)
+    return q, ones
+
+
+def _key_channels(port: ov.Output) -> np.ndarray | float:
+    """The calibrated key channels an int8 past input's dequantization multiplies by (its
+    Convert, the Multiply by its scales, then one by a constant), or 1."""
+    for convert in port.get_target_inputs():
+        for scaled in convert.get_node().output(0).get_target_inputs():
+            for target in scaled.get_node().output(0).get_target_inputs():
+                node = target.get_node()
+                other = node.input_value(1 - target.get_index()).get_node() if node.get_input_size() == 2 else None
+                if node.get_type_name() == "Multiply" and other is not None and other.get_type_name() == "Constant":
+                    return np.asarray(other.get_data(), np.float32)
+    return 1.0
 
 
 def _place(rows: np.ndarray | None, port: ov.Output) -> tuple[np.ndarray, bool]:

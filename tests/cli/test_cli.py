@@ -910,3 +910,17 @@ def test_bisect_compares_the_cache_rows_a_step_writes(monkeypatch, options):
     result = kvc("bisect", fixtures.path("llama"), *SMALL, *options, code=4)
     assert f"first bad pass: {applied.last['prefill']} (prefill, pass " in result.output
     assert "the cache rows it writes to present.1." in result.output
+
+
+def test_bisect_an_int8_cache(monkeypatch):
+    """kvc bisect with --kv-precision int8 stopped at exit 2 (missing input
+    past_key_values.1.value_scale: it placed no scales). Its stages run widened and exact, as
+    the compile's IR check: a clean pipeline passes, and an o_proj 10% too large, which an
+    int8 cache's f16 scales had put under f16's NRMSE 0.01, is named."""
+    from tests.mutation.mutants import apply_in_passes
+
+    clean = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--kv-precision", "int8", "--json").stdout)
+    assert clean["ok"] and any("kv_type=i8" in s["spec"] for s in clean["stages"])
+    applied = apply_in_passes("gen_o_proj_1e1", monkeypatch.setattr)
+    result = kvc("bisect", fixtures.path("llama"), *SMALL, "--kv-precision", "int8", code=4)
+    assert f"first bad pass: {applied.last['generate-128']} (generate-128, pass " in result.output
