@@ -178,8 +178,12 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
     model, models, stages, cases, memo = lifted.clone(), [lifted], [], {}, {}
     # A first chunk of dynamic rows (first-F) is judged on calls of 1 to F rows.
     bound = int(branch.split("-")[1]) if branch.startswith("first-") else None
+    restorers = set()  # stages of mask-positions that rewrote their model (`_restorer`)
     for i, p in enumerate(passes, start=1):
-        model = PassManager([p], use_env=False).run(model).model
+        result = PassManager([p], use_env=False).run(model)
+        model = result.model
+        if p.name == "mask-positions" and any(r.modified for r in result.records):
+            restorers.add(i)
         models.append(model.clone())
         rows = bound if bound and dynamic_rows(model) else None
         if not (is_static(model) or rows):
@@ -216,6 +220,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         culprit -= 1
     for _, s in stages[:culprit]:
         s.restored = not s.ok
+    culprit = _restorer(stages, culprit, restorers)
     index, report.first_bad = stages[culprit]
     before, after = models[index - 1], models[index]
     case, rows = cases[index]
@@ -223,6 +228,19 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
         report.first_tensor = first_diverging_tensor(
             before, after, lambda s: static_feed(s.interpreter.model, lifted, tokens, case, rows, memo).inputs)
     return True
+
+
+def _restorer(stages: list, culprit: int, restorers: set) -> int:
+    """The culprit among a branch's last run of wrong stages: its first, unless that is
+    static-shape and a later one is mask-positions that rewrote its model. Static-shape makes
+    slots stop being positions by design (a sliding window's distances go wrong), and
+    mask-positions is there to give them back: when it rewrites the model and the outputs stay
+    wrong, the fault is its own (a mask-positions that numbered the past from 1 was blamed on
+    static-shape). A mask-positions that matched nothing leaves static-shape named."""
+    first = stages[culprit][1]
+    if not first.spec.startswith("static-shape"):
+        return culprit
+    return next((j for j in range(culprit + 1, len(stages)) if stages[j][0] in restorers), culprit)
 
 
 def _wrong_rows(model: ov.Model, outputs: dict, feed) -> str | None:

@@ -924,3 +924,17 @@ def test_bisect_an_int8_cache(monkeypatch):
     applied = apply_in_passes("gen_o_proj_1e1", monkeypatch.setattr)
     result = kvc("bisect", fixtures.path("llama"), *SMALL, "--kv-precision", "int8", code=4)
     assert f"first bad pass: {applied.last['generate-128']} (generate-128, pass " in result.output
+
+
+def test_bisect_names_a_mask_positions_that_fails_to_restore(monkeypatch):
+    """On a sliding window static-shape diverges by design and mask-positions restores it; a
+    mask-positions that numbered the past from 1 left the outputs wrong from static-shape on,
+    and bisect named static-shape. It names the mask-positions that rewrote the model."""
+    from tests.mutation.mutants import apply_in_passes
+
+    apply_in_passes("mask_positions_past_from_one", monkeypatch.setattr)
+    data = json.loads(kvc("bisect", fixtures.path("starcoder2"), *SMALL, "--json", code=4).stdout)
+    assert data["first_bad_pass"]["spec"] == "mask-positions"
+    assert data["first_diverging_tensor"] is not None
+    shape = next(s for s in data["stages"] if s["branch"] == data["first_bad_pass"]["branch"] and s["index"] == 1)
+    assert shape["spec"].startswith("static-shape") and not shape["ok"] and not shape["restored"]
