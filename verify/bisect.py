@@ -11,8 +11,8 @@ present outputs' new rows against the source's for the same positions: a step th
 layer's keys and values into each other's buffers had the right logits). Each pass is judged on
 its own (tolerance 1e-4; NRMSE 0.01 once KV is f16). A mixture of experts is judged again
 with every router forced on both sides (kvc.verify.experts), as the compile judges it, so that
-an expert the probe's router never picks is run too: a step of fewer rows than ceil(E / k)
-runs once per shift of the forced experts.
+an expert the probe's router never picks is run too: a step runs again with its forced
+positions shifted by its rows until they span every round of experts (`_forced_static`).
 
 The pass named is the first one after which the outputs are wrong *and stay wrong* to the end
 of its branch. A pass may break numbers that a later pass is there to restore: under the NPU
@@ -37,7 +37,7 @@ from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.verify.embedding import model_differs, source_table
-from kvc.verify.experts import experts_of, force_routers, forced_routing
+from kvc.verify.experts import ROUND_STEPS, experts_of, force_routers, forced_routing, rounds
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
 from kvc.verify.probe import (dynamic_logits, dynamic_rows, is_static, session_for, static_cases, static_feed,
@@ -140,21 +140,29 @@ def _forced_reason(experts: tuple[int, int], a: float, n: float) -> str:
     return f"with {forced_routing(experts)}, the logits differ (max abs {a:.3g}, NRMSE {n:.3g})"
 
 
-def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int, int]) -> str | None:
+def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int, int], refs: dict) -> str | None:
     """Why a static stage differs from the lifted source with both forced alike
-    (kvc.verify.experts), or None: its one step, run again for each shift of the forced experts
-    while the step's positions pick fewer than all of them (a generate model's one row)."""
+    (kvc.verify.experts), or None: its step, run again with the forced positions shifted by
+    the step's own rows until they span every round of experts (`rounds`: with k 2 of an even
+    E, every pair of experts in either slot; at most ROUND_STEPS positions, as the compile's
+    forced probe). Over one round alone (2 ceil(E / k) - 1 positions) a generate model never
+    put experts 0 and 5 together on qwen2_moe, and a graph that moved 5's routing weight to 6
+    only for that pair was 'no pass changes the outputs'."""
     count, per_token = experts
+    m = math.ceil(count / per_token)
+    needed = min(len(rounds(count, per_token)) * m + m - 1, ROUND_STEPS)
     shift, shifts = 0, 1
     while shift < shifts:
         forced = force_routers(model.clone(), shift)
-        feed = static_feed(forced, force_routers(lifted.clone(), shift), tokens)
-        if shift == 0 and feed.positions * per_token < count:
-            shifts = 2 * math.ceil(count / per_token) - 1  # consecutive positions holding a whole round
+        if shift not in refs:  # the source forced alike, and its runs, kept for every stage of the branch
+            refs[shift] = force_routers(lifted.clone(), shift), {}
+        reference, memo = refs[shift]
+        feed = static_feed(forced, reference, tokens, memo=memo)
+        shifts = needed  # positions shift + [0, n): n = feed.positions
         a, n, ok = _judge(feed.ref_logits, session_for(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
         if not ok:
             return _forced_reason(experts, a, n)
-        shift += 1
+        shift += feed.positions
     return None
 
 
@@ -179,6 +187,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
     # A first chunk of dynamic rows (first-F) is judged on calls of 1 to F rows.
     bound = int(branch.split("-")[1]) if branch.startswith("first-") else None
     restorers = set()  # stages of mask-positions that rewrote their model (`_restorer`)
+    forced_refs: dict = {}  # `_forced_static`'s forced sources by shift
     for i, p in enumerate(passes, start=1):
         result = PassManager([p], use_env=False).run(model)
         model = result.model
@@ -205,7 +214,7 @@ def _bisect_branch(report: BisectReport, branch: str, passes: list, lifted: ov.M
                 break
         why = why_rows or unread.changed(model)
         if experts and why is None:
-            why = _forced_static(model, lifted, tokens, experts)
+            why = _forced_static(model, lifted, tokens, experts, forced_refs)
         cases[i] = (failed or calls[0], rows)
         probe = f"{failed[1]} token{'s' * (failed[1] > 1)} over {failed[0]} cached" if failed else ""
         stages.append((i, Stage(branch, i, p.spec(), *worst, failed is None and why is None, reason=why or "",

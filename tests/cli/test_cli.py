@@ -938,3 +938,16 @@ def test_bisect_names_a_mask_positions_that_fails_to_restore(monkeypatch):
     assert data["first_diverging_tensor"] is not None
     shape = next(s for s in data["stages"] if s["branch"] == data["first_bad_pass"]["branch"] and s["index"] == 1)
     assert shape["spec"].startswith("static-shape") and not shape["ok"] and not shape["restored"]
+
+
+def test_bisect_forces_every_pair_of_experts(monkeypatch):
+    """A generate graph that scattered expert 5's routing weight into expert 6's column only
+    for a token routed to 0 and 5 together: the compile refuses it (its forced probe spans
+    every round of experts), but bisect forced one row over one round only, where no token
+    takes 0 and 5, and said no pass changes the outputs (exit 0)."""
+    from tests.mutation.mutants import apply_in_passes
+
+    applied = apply_in_passes("gen_pair_0_5_weight_to_6", monkeypatch.setattr)
+    result = kvc("bisect", fixtures.path("qwen2_moe"), *SMALL, code=4)
+    assert f"first bad pass: {applied.last['generate-128']} (generate-128, pass " in result.output
+    assert "every router forced" in result.output
