@@ -1028,18 +1028,20 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
     """Every blob imported as `kvc run` imports it and run on the probe `cases`, against the
     IR's generations `ir_gens` (only for finite logits with --no-verify): the rows, and the
     pipeline over the blobs of the device `serve` (else None)."""
-    from kvc.verify.compiled import check_blobs, probe_label, quantized_reference
+    from kvc.verify.compiled import check_blobs, npuw_reference, probe_label, quantized_reference
 
     rows, pipeline = [], None
     quantized = quantized_reference(work, manifest, cases, lambda i: progress(
         f"checking: probes on kvc's numpy runtime over the int8 cache as stored ({i}/{len(cases)})"))
+    npuw = npuw_reference(work, manifest, cases, lambda i: progress(
+        f"checking: probes on kvc's numpy runtime, weights decompressed as NPUW does ({i}/{len(cases)})"))
     for device in options.devices:
         _phase(options, f"check the {device} blobs", work)
         progress(f"importing and running the {device} blobs")
         checked, kept = check_blobs(work, manifest, device, cases, ir_gens,
                                     lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
                                     selecting=selecting, source=model_path, keep=device == serve,
-                                    quantized=quantized)
+                                    quantized=quantized, npuw=npuw if ir_gens is not None else None)
         rows += checked
         pipeline = pipeline or kept
         bad = next((r for r in rows if not r["ok"]), None)

@@ -42,7 +42,7 @@ def blob_backends(manifest: dict) -> tuple[str, ...]:
 
 def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: bool,
              sweep: str | None = "none", mapped: ov.Tensor | None = None, imports: _Imports | None = None,
-             widen: bool = False, edit=None) -> Session:
+             widen: bool = False, edit=None, npuw: bool = False) -> Session:
     """One model's session; `sweep`: how a blob import pages out weights.bin as it reads it
     (`pages_released`; None: as an open, `_Imports.acquire`);
     `edit`: a function of the ov.Model read from its IR, applied before it runs (a blob is not
@@ -76,7 +76,7 @@ def _session(directory: Path, manifest: dict, name: str, backend: str, from_ir: 
     check_ports(directory, name, entry, model.inputs, model.outputs)
     if edit is not None:
         model = edit(model)
-    session = (NumpySession(model, widen=widen) if backend == "numpy" else
+    session = (NumpySession(model, widen=widen, npuw=npuw) if backend == "numpy" else
                OpenVINOSession(model, device, _ir_config(blob, device)))
     session.weights_mapping = mapped  # the model's constants point into it: it must live as long as they do
     return session
@@ -257,14 +257,16 @@ def model_session(directory: str | Path, name: str, backend: str = "numpy") -> S
 
 
 def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: bool = False,
-                  lazy: bool = False, widen: bool = False, serves: bool = False, edit=None) -> StaticPipeline:
+                  lazy: bool = False, widen: bool = False, serves: bool = False, edit=None,
+                  npuw: bool = False) -> StaticPipeline:
     """The StaticPipeline a (checked) manifest describes; `kvc compile` also uses it on its
     unpublished output to import and run every blob it wrote. `lazy`: each model is imported
     when first run and can be released (`LazySession`); with `serves`, its imports are paged
     out as an open's are (below: it keeps them to serve, as `compile_and_open` does). `widen`:
     on the numpy backend, f16 and bf16 computed unrounded at f32
     (`kvc.runtime.interpreter.Interpreter`), the cache too. `edit`: applied to every model read
-    from its IR (`_session`; the compile's forced routers, kvc.verify.experts)."""
+    from its IR (`_session`; the compile's forced routers, kvc.verify.experts). `npuw`: on the
+    numpy backend, weight decompression as NPUW computes it (`Interpreter`)."""
     kv_types = {k.element_type for k in plan_of(manifest).kv}
     if backend == "npu" and "bf16" in kv_types:
         raise UsageError(f"{directory} stores its KV cache as bf16 (compiled for CPU at bf16), which the NPU "
@@ -293,7 +295,7 @@ def pipeline_from(directory: Path, manifest: dict, backend: str, *, from_ir: boo
         # body (1.74 GB).
         sweep = "none" if lazy and not serves else None
         make = functools.partial(_session, directory, manifest, name, backend, from_ir, sweep, mapped, imports,
-                                 widen, edit)
+                                 widen, edit, npuw)
         if lazy:
             ports = manifest["models"][name]["inputs"]
             dtypes = {p["name"]: backend_dtype(p["element_type"], backend) for p in ports}

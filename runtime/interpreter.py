@@ -42,7 +42,7 @@ _STATEFUL = {"ReadValue", "Assign"}
 # an f32 value (nvfp4's f8e4m3 scale times its f32 scale), and the codes of nf4 (values no f16
 # holds exactly) unless the weights feed only MatMuls, whose kernels read nf4's table at f32
 # (an embedding's Gather, and a tied embedding's Gather and MatMul both, take the codes at f16).
-# NPUW on its CPU backend rounds neither (tests/export/test_compile.py: a known gap).
+# NPUW on its CPU backend rounds neither: NPU blobs are judged against the IR computed so (`npuw`).
 _DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Gather"}
 _LOW_BIT = {"u8", "i8", "u6", "u4", "i4", "u3", "u2", "u1", "nf4", "f4e2m1", "f8e4m3", "f8e5m2", "f8e8m0"}
 _F16, _F32, _I8 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.int8)
@@ -288,18 +288,22 @@ def port_names(port, source=None) -> tuple[str, ...]:
 class Interpreter:
     """A prepared model; `run` evaluates it, `state` holds its variables between runs."""
 
-    def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False):
+    def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False, npuw: bool = False):
         """`widen`: compute the f16 and bf16 values of the KV boundary at f32, unrounded
         (`kv_boundary_nodes`), inputs included, and
         an int8 cache's values unrounded too (`int8_quantizers` pass their input through as
         f32; its i8 inputs take f32, which the dequantization reads back exactly): the exact
         twin of a static model whose KV cache is stored at f16, bf16 or int8 (kv-io's
         conversions at its boundary round nothing), which the compile's check runs against
-        the source at f32 with the exact rules (kvc.verify.compiled.ir_generations)."""
+        the source at f32 with the exact rules (kvc.verify.compiled.ir_generations).
+        `npuw`: weight decompression computed as NPUW on its CPU backend computes it, without
+        the two roundings to f16 the CPU plugin makes (`decompression_nodes`: nf4's codes read
+        by a Gather, nvfp4's f32 scale): the reference of NPU blobs (`npuw_reference`)."""
         load_all()
         check_supported(model)
         self.model = model
         self.widen = widen
+        self.npuw = npuw
         self.state: dict[str, np.ndarray] = {}
         self._variables = {v.get_info().variable_id: v.get_info() for v in model.get_variables()}
         self._prepare(fold_constants)
@@ -321,6 +325,8 @@ class Interpreter:
             return tuple(out)
 
         in_f32, rounded = decompression_nodes(self.model)
+        self.rounds_decompression = bool(rounded)  # where `npuw` computes otherwise
+        rounded = set() if self.npuw else rounded
         unrounded = int8_quantizers(self.model) if self.widen else set()
         boundary = kv_boundary_nodes(self.model)
         wide = (boundary if self.widen else set()) | _own_bf16(self.model, boundary)

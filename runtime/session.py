@@ -70,9 +70,9 @@ class NumpySession:
     weights_mapping: object | None = None
     embed: Embedder | None = None  # a model that takes inputs_embeds: its ids' rows (runtime/embeddings.py)
 
-    def __init__(self, model: ov.Model, *, widen: bool = False):
+    def __init__(self, model: ov.Model, *, widen: bool = False, npuw: bool = False):
         self.embed = embedder_of(model)
-        self.interpreter = Interpreter(model, widen=widen)  # widen: see Interpreter
+        self.interpreter = Interpreter(model, widen=widen, npuw=npuw)  # see Interpreter
         self._bound: dict[str, np.ndarray] = {}
 
     @property
