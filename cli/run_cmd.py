@@ -43,7 +43,7 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
               help="Make OUT from this model first, unless OUT's manifest records this model's files' sha256 for "
-                   "--backend's device and a verification: kvc compile's defaults, verification on, and the pipeline "
+                   "--backend's device and a verification by this kvc (its build): kvc compile's defaults, verification on, and the pipeline "
                    "then serves the blobs the compile checked, in this process (nothing imported twice). An OUT "
                    "compiled otherwise is refused unless --force.")
 @click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
@@ -220,7 +220,7 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     from kvc.export.compile import (CompileOptions, compile_and_open, compile_static, compile_to,
                                     source_image_rows, source_selects)
     from kvc.export.load import DEVICE_OF_BACKEND
-    from kvc.export.manifest import read_manifest, same_source
+    from kvc.export.manifest import kvc_build, read_manifest, same_source
 
     if source is None:
         return None, False
@@ -231,6 +231,12 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
         if not same_source(manifest, source):
             raise UsageError(f"{out} holds a compile of other files than {source}; pass --force to compile {source} "
                              f"into it, or give another OUT")
+        if manifest.get("kvc_build") != kvc_build():  # verified by this kvc, with the checks it has
+            made = manifest.get("kvc_build") or "none recorded"
+            raise UsageError(f"{out} is a compile of {source} that another kvc verified (its build {made}, this one "
+                             f"{kvc_build()}), and --compile-from serves only what this kvc verified; pass --force to "
+                             f"compile it again, or run {out} without --compile-from to serve it as it is (`kvc "
+                             f"verify {out}` checks it with this kvc)")
         if not (manifest.get("verification") or {}).get("ok"):  # --compile-from promises a verified compile
             raise UsageError(f"{out} is a compile of {source} without a verification (kvc compile --no-verify), and "
                              f"--compile-from serves only a compile verified against its source; pass --force to "

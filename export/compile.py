@@ -36,8 +36,8 @@ from kvc.export.branches import branch_groups
 from kvc.export.build import build_static, common_passes
 from kvc.export.device_compile import DeviceCompiler
 from kvc.export.mapped import pages_released, trim_heap
-from kvc.export.manifest import (FORMAT, MANIFEST, TOKENIZER_FILES, BackgroundHashes, dumps, openvino_version,
-                                 port_table, source_files)
+from kvc.export.manifest import (FORMAT, MANIFEST, TOKENIZER_FILES, BackgroundHashes, dumps, kvc_build,
+                                 openvino_version, port_table, source_files)
 from kvc.ir.bundle import WEIGHTS_FILE, Bundle
 from kvc.ir.finite import check_no_nan_weights
 from kvc.ir.reader import core, load, resolve
@@ -562,6 +562,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     manifest = {
         "format": FORMAT,
         "kvc_version": __version__,
+        "kvc_build": kvc_build(),
         "openvino_version": openvino_version(),
         "plan": static.plan.to_dict(),
         "devices": list(options.devices),

@@ -14,7 +14,9 @@ A mismatch is an InvalidModelError (exit 3) naming the file, expected versus fou
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -111,6 +113,27 @@ def recorded_source(manifest: dict, directory: str | Path) -> Path:
 
 def openvino_version() -> str:
     return ov.get_version()
+
+
+# kvc's packages (pyproject.toml's; tests/export/test_manifest.py keeps the two the same)
+PACKAGES = ("kvc", "kvc.ir", "kvc.passes", "kvc.passes.framework", "kvc.runtime", "kvc.runtime.ops", "kvc.export",
+            "kvc.cache", "kvc.verify", "kvc.cli", "kvc.fixtures", "kvc.report")
+
+
+@functools.cache
+def kvc_build() -> str:
+    """A digest of kvc's own code (every .py file of its packages, wherever they are installed
+    from), recorded in each manifest as "kvc_build": which kvc compiled and verified a
+    directory. kvc's version (0.1.0) does not move from one change to the next, and
+    `kvc run --compile-from` served a directory whose verification an older kvc had made, with
+    whatever checks it had then (`compile_if_needed` refuses one of another build)."""
+    digest = hashlib.sha256()
+    for name in PACKAGES:
+        root = Path(next(iter(importlib.util.find_spec(name).submodule_search_locations)))
+        for file in sorted(root.glob("*.py")):
+            digest.update(f"{name}/{file.name}\0".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def port_table(ports) -> list[dict]:

@@ -269,6 +269,25 @@ def test_run_compile_from_refuses_a_compile_made_without_verification(tmp_path):
     kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", "1,2")  # verified: served
 
 
+def test_run_compile_from_refuses_a_compile_another_kvc_verified(tmp_path):
+    """kvc's version does not move between changes, and `--compile-from` served a directory an
+    older kvc had compiled and verified, with the checks it had then. The manifest records
+    `kvc_build` (a digest of kvc's code); another build's compile is refused and left alone,
+    --force compiles it again."""
+    out = tmp_path / "out"
+    kvc("compile", fixtures.path("llama"), "-o", out, *SMALL, "--device", "CPU")
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "kvc_build": "0123456789abcdef"}))
+    refused = kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", "1,2", code=2)
+    assert "that another kvc verified (its build 0123456789abcdef" in refused.output and "--force" in refused.output
+    assert json.loads(path.read_text())["kvc_build"] == "0123456789abcdef"  # left alone
+    forced = kvc("run", out, "--compile-from", fixtures.path("llama"), "--force", "--prompt-ids", "1,2", "--json")
+    assert json.loads(forced.stdout)["compiled"]
+    assert json.loads(path.read_text())["kvc_build"] == manifest["kvc_build"]
+    kvc("run", out, "--compile-from", fixtures.path("llama"), "--prompt-ids", "1,2")  # this build's: served
+
+
 def test_run_compile_from_for_the_numpy_backend_runs_the_ir(tmp_path):
     golden = fixtures.goldens("llama")["prompts"][0]
     data = json.loads(kvc("run", tmp_path / "out", "--compile-from", fixtures.path("llama"), "--backend", "numpy",

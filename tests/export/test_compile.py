@@ -47,6 +47,9 @@ def test_layout_and_manifest(compiled):
                             "generate-80.CPU.blob", "generate-80.NPU.blob", "generate-80.xml", "manifest.json",
                             "prefill.CPU.blob", "prefill.NPU.blob", "prefill.xml", "weights.bin", *tokenizer])
     assert m["openvino_version"] and m["kvc_version"]
+    from kvc.export.manifest import kvc_build
+
+    assert m["kvc_build"] == kvc_build() and len(kvc_build()) == 16
     assert m["plan"]["lengths"]["generate_sizes"] == [80, 128] and m["plan"]["lengths"]["capacity"] == 128
     assert m["plan"]["lengths"]["adjustments"] == ["min response length 32 aligned up to 64 (multiple of 64)",
                                            "generate variant 128 (= P + R) added: the largest variant must hold the capacity"]
@@ -1439,3 +1442,31 @@ def test_a_first_chunk_of_dynamic_rows_is_for_the_cpu_only(tmp_path):
     assert resolve_first_rows("auto", ("CPU",), "f32", 16) == "dynamic"
     assert resolve_first_rows("auto", ("CPU",), "bf16", 16) == "static"
     assert resolve_first_rows("auto", ("CPU",), "f32", 0) == "static"
+
+
+def test_kvc_build_digests_every_package_pyproject_installs(tmp_path, monkeypatch):
+    """`kvc_build` hashes the .py files of kvc's packages: the list is pyproject.toml's, and a
+    change to any file of them (here, one added) is another build."""
+    import tomllib
+    from pathlib import Path
+
+    import kvc.export.manifest as manifest
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert manifest.PACKAGES == tuple(pyproject["tool"]["setuptools"]["packages"])
+    before = manifest.kvc_build()
+    extra = tmp_path / "pkg"
+    extra.mkdir()
+    (extra / "added.py").write_text("x = 1\n")
+    monkeypatch.setattr(manifest, "PACKAGES", (*manifest.PACKAGES, "kvc_test_extra"))
+    import importlib.machinery
+    import sys
+
+    spec = importlib.machinery.ModuleSpec("kvc_test_extra", None, is_package=True)
+    spec.submodule_search_locations = [str(extra)]
+    monkeypatch.setitem(sys.modules, "kvc_test_extra", importlib.util.module_from_spec(spec))
+    manifest.kvc_build.cache_clear()
+    try:
+        assert manifest.kvc_build() != before
+    finally:
+        manifest.kvc_build.cache_clear()
