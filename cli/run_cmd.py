@@ -43,9 +43,9 @@ def token_ids(tokenizer, text: str, where: str) -> list[int]:
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--compile-from", "source", type=click.Path(exists=True, path_type=Path), default=None,
               help="Make OUT from this model first, unless OUT's manifest records this model's files' sha256 for "
-                   "--backend's device and a verification by this kvc (its build): kvc compile's defaults, verification on, and the pipeline "
-                   "then serves the blobs the compile checked, in this process (nothing imported twice). An OUT "
-                   "compiled otherwise is refused unless --force.")
+                   "--backend's device and a verification by this kvc (its build): kvc compile's defaults, "
+                   "verification on, and the pipeline then serves the blobs the compile checked, in this process "
+                   "(nothing imported twice). An OUT compiled otherwise is refused unless --force.")
 @click.option("--force", is_flag=True, help="With --compile-from: compile into OUT whatever it holds.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
 @click.option("--prompt", "text", default=None, help="Prompt as text (uses OUT/tokenizer.json).")

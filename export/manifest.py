@@ -115,7 +115,7 @@ def openvino_version() -> str:
     return ov.get_version()
 
 
-# kvc's packages (pyproject.toml's; tests/export/test_manifest.py keeps the two the same)
+# kvc's packages (pyproject.toml's; tests/export/test_compile.py keeps the two the same)
 PACKAGES = ("kvc", "kvc.ir", "kvc.passes", "kvc.passes.framework", "kvc.runtime", "kvc.runtime.ops", "kvc.export",
             "kvc.cache", "kvc.verify", "kvc.cli", "kvc.fixtures", "kvc.report")
 

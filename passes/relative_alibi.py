@@ -44,9 +44,10 @@ Measured on falcon_alibi (32 heads, as Falcon-RW-1B) given 1024 positions, compi
 CPU's bf16 default with ``--max-prompt-len 768`` (median NRMSE against the f32 source,
 `scripts/accuracy.py`): 0.0142 -> 0.0022 at 255 tokens, 0.0233 -> 0.0019 at 512, 0.0210 ->
 0.0019 at 760, where OpenVINO's stateful bf16 run gives 0.0104, 0.0157, 0.0145; without the
-rule the blobs' far probe at position 894 (step error 0.291, past 0.25) was refused. A misfire (a reshape that
-moved the key axis) would shift each row by more than a constant, which the compile's check of
-the IR against the source refuses. MPT's ALiBi (``slopes x arange(1 - M, 1)``) is measured from
+rule the blobs' far probe at position 894 (step error 0.291, past 0.25) was refused.
+
+A misfire (a reshape that moved the key axis) would shift each row by more than a constant,
+which the compile's check of the IR against the source refuses. MPT's ALiBi (``slopes x arange(1 - M, 1)``) is measured from
 the newest slot already (mask-positions' right-aligned-table).
 """
 

@@ -168,7 +168,8 @@ def _bf16_arithmetic(kernel: Callable, etypes: tuple[str, ...]) -> Callable:
     nearest even: `round_to_bf16`): kvc computes bf16 at f32, and an op that OpenVINO
     computes at bf16 rounds its result (Falcon's ALiBi, `slopes.bfloat16() x positions`: with
     32 heads the slopes are 2^(-k/4), and unrounded the bias differs by up to 2 at position
-    1000; the falcon_alibi_h32 fixture's compile was refused, 0.0038 on a 7-token prompt)."""
+    1000; the falcon_alibi fixture rebuilt with 32 heads was refused by every compile, 0.0038
+    on a 7-token prompt)."""
     if len(etypes) == 1:
         return lambda *args: round_to_bf16(kernel(*args))
 
@@ -290,9 +291,9 @@ class Interpreter:
 
     def __init__(self, model: ov.Model, *, fold_constants: bool = True, widen: bool = False, npuw: bool = False):
         """`widen`: compute the f16 and bf16 values of the KV boundary at f32, unrounded
-        (`kv_boundary_nodes`), inputs included, and
-        an int8 cache's values unrounded too (`int8_quantizers` pass their input through as
-        f32; its i8 inputs take f32, which the dequantization reads back exactly): the exact
+        (`kv_boundary_nodes`), inputs included, and an int8 cache's values unrounded too
+        (`int8_quantizers` pass their input through as f32; its i8 inputs take f32, which the
+        dequantization reads back exactly): the exact
         twin of a static model whose KV cache is stored at f16, bf16 or int8 (kv-io's
         conversions at its boundary round nothing), which the compile's check runs against
         the source at f32 with the exact rules (kvc.verify.compiled.ir_generations).
@@ -325,7 +326,6 @@ class Interpreter:
             return tuple(out)
 
         in_f32, rounded = decompression_nodes(self.model)
-        self.rounds_decompression = bool(rounded)  # where `npuw` computes otherwise
         rounded = set() if self.npuw else rounded
         unrounded = int8_quantizers(self.model) if self.widen else set()
         boundary = kv_boundary_nodes(self.model)

@@ -117,7 +117,8 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
 def written_rows(model: ov.Model, outputs: dict, n: int) -> dict[str, np.ndarray]:
     """The rows a static step of `n` tokens wrote, by present name, as [1, H, n, D] f32: the
     last `n` slots of each present output (its new rows only, or its whole cache, the new ones
-    last), read back from a values-last layout (kv-io's transpose_v, `_values_last`). An int8 cache's presents and scales are left out (read through dequantization)."""
+    last), read back from a values-last layout (kv-io's transpose_v, `_values_last`). An int8
+    cache's presents and scales are left out (read through dequantization)."""
     found = {}
     for result in model.get_results():
         names = result.output(0).get_names()
