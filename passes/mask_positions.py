@@ -9,12 +9,15 @@ distances. A causal-only comparison is unaffected (slot order is position order,
 is masked by attention_mask); anything that measures a distance is wrong. Three rules:
 
 * ``mask-positions/index-compare`` (sliding windows as transformers writes them, e.g.
-  Mistral): a comparison (Greater/Less[Equal]) of the q and kv index vectors, found up
-  through Unsqueeze, Reshape, Squeeze, Convert and constant offsets, or of their difference
+  Mistral): a comparison (Greater/Less[Equal], Equal) of the q and kv index vectors, found up
+  through Unsqueeze, Reshape, Squeeze, Convert, constant offsets, constant divisors and
+  Floor, or of their difference
   with a constant (Gemma 3's language model as optimum-intel patches it: ``q_idx - kv_idx >=
   W``; its ``q_idx = arange(q_len) + past_len`` adds the past's length from the shapes, which
-  the positions replace). Each comparison that measures a distance (an index offset by a
-  constant, or a difference: a window) gets
+  the positions replace), or an Equal of the two each divided by a constant and floored
+  (Llama 4's chunked attention: ``floor(q_idx / C) == floor(kv_idx / C)``, the chunk a
+  position falls in, which no slot tells). Each comparison that measures a distance or a
+  place (an index offset by a constant or divided by one, or a difference: a window) gets
 
       q_idx  <- position_ids[0]                              (this step's positions)
       kv_idx <- concat(arange(past_len), position_ids[0])    (left-aligned past, then this step)
@@ -63,7 +66,7 @@ from kvc.passes.framework.rules import NoMatch, Rule
 
 log = logging.getLogger(__name__)
 
-_COMPARE = {"Greater", "GreaterEqual", "Less", "LessEqual"}
+_COMPARE = {"Equal", "Greater", "GreaterEqual", "Less", "LessEqual"}
 _THROUGH = {"Unsqueeze", "Reshape", "Squeeze", "Convert"}
 _OFFSET = {"Add", "Subtract"}
 
@@ -80,6 +83,13 @@ def _index_source(out: ov.Output) -> tuple[ov.Output, list[ov.Node], bool]:
             out = node.input_value(0)
         elif kind in _THROUGH or (kind in _OFFSET and node.input_value(1).get_node().get_type_name() == "Constant"):
             offset |= kind in _OFFSET
+            path.append(node)
+            out = node.input_value(0)
+        elif kind == "Floor" or (kind == "Divide" and node.input_value(1).get_node().get_type_name() == "Constant"
+                                 and node.get_attributes().get("m_pythondiv", True)):
+            # Llama 4's chunked attention: floor(q_idx / C) == floor(kv_idx / C), the chunk a
+            # position falls in, which slots do not give
+            offset |= kind == "Divide"
             path.append(node)
             out = node.input_value(0)
         else:
@@ -103,6 +113,10 @@ def _rebuild(path: list[ov.Node], source: ov.Output) -> ov.Output:
             out = ops.reshape(out, rest[0], bool(node.get_attributes()["special_zero"])).output(0)
         elif kind == "Add":
             out = ops.add(out, rest[0]).output(0)
+        elif kind == "Divide":  # rounding down, as matched (`_index_source`)
+            out = ops.divide(out, rest[0]).output(0)
+        elif kind == "Floor":
+            out = ops.floor(out).output(0)
         else:  # Subtract
             out = ops.subtract(out, rest[0]).output(0)
     return out

@@ -255,7 +255,7 @@ def test_mask_positions_applies_only_to_slot_indexed_masks_and_biases():
     """Each of its rules fires where the export measures a distance on cache slots, and
     nothing changes where slot order is all that matters."""
     hits = {name: (r.modified, r.rule_hits) for name in ("mistral", "gpt_neo", "mpt", "llama", "bloom",
-                                                         "gpt_neox_japanese") for r in [_mask_positions(name)]}
+                                                         "gpt_neox_japanese", "llama4") for r in [_mask_positions(name)]}
     assert hits["mistral"] == (True, {"mask-positions/index-compare": 2})  # sliding window + causal
     assert hits["gpt_neo"][0] and hits["gpt_neo"][1]["mask-positions/band-table"] == 1  # the local layer only
     assert hits["mpt"] == (True, {"mask-positions/right-aligned-table": 1})  # one ALiBi table for all layers
@@ -263,6 +263,8 @@ def test_mask_positions_applies_only_to_slot_indexed_masks_and_biases():
     assert hits["bloom"] == (False, {})  # ALiBi from cumsum(attention_mask) already follows positions
     # rotary positions from arange(q) + the past's length, one cache_position for all layers
     assert hits["gpt_neox_japanese"] == (True, {"mask-positions/slot-positions": 1})
+    # Llama 4's chunked attention, floor(q / 16) == floor(kv / 16) on slots, beside the causal one
+    assert hits["llama4"] == (True, {"mask-positions/index-compare": 2})
 
 
 def test_mask_positions_says_why_a_causal_band_table_is_kept():

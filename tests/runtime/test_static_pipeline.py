@@ -353,6 +353,10 @@ NPUW_LLM_FAILS = {
     # a 17-token prompt; a step 0.455 of its logits' spread off) where kvc's static models
     # through the same plugin agree
     "gpt_oss": ("agree", "NRMSE \\S+ > 0.01|logits are not the reference's"),
+    # and Llama 4's language model (chunked attention over 16 positions, a NoPE layer, MoE): a
+    # 1-token prompt's step 1 is 0.756 of its logits' spread off, where kvc's static models
+    # through the same plugin agree
+    "llama4": ("agree", "logits are not the reference's"),
     # it compiles an ALiBi model without position_ids but cannot run it (it looks the input up
     # by name); kvc reshapes only the inputs a model has
     "bloom": ("run", "unordered_map::at"),
