@@ -43,7 +43,7 @@ from kvc.ir.finite import check_no_nan_weights
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
-from kvc.plan import StaticOptions
+from kvc.plan import DEFAULT_MAX_PROMPT_LEN, StaticOptions
 from kvc.runtime.embeddings import embedder_of, language_config
 from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
@@ -162,12 +162,16 @@ CPU_CHUNK = {"f32": (32, 256), "bf16": (16, 128), "f16": (16, 128)}
 CPU_FIRST = (16, 128)
 
 
-def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
+def resolve_chunk(value, devices=("CPU",), precision: str = "f32", switch: int | None = None,
+                  prompt: int | None = None) -> int | tuple[int, ...]:
     """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
-    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0."""
+    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0; and 0
+    for a model whose LongRoPE `switch` (`source_longrope`) lies below the prompt's bound
+    (`prompt`, else NPUW's 1024): a chunk below T rotates its rows at the short factors where
+    the source's one call for a longer prompt rotates them at the long ones."""
     if value != "auto":
         return value
-    if not cpu_only(devices):
+    if not cpu_only(devices) or (switch is not None and switch < (prompt or DEFAULT_MAX_PROMPT_LEN)):
         return 0
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
@@ -287,15 +291,17 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
 
 
 def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = False, image_rows: int = 0,
-                   **fields) -> StaticOptions:
+                   switch: int | None = None, **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`) and a
     model that `selects` or not (`source_selects`), whose images take `image_rows`
-    (`source_image_rows`): the `fields` given, and the prefill chunk,
+    (`source_image_rows`), whose LongRoPE switches at `switch` (`source_longrope`): the
+    `fields` given, and the prefill chunk,
     KV type, attention and prefill MLP form, unless given, resolved as its `auto`
     (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`, `resolve_attention`,
     `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
-    fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
+    fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision, switch,
+                                                 fields.get("max_prompt_len"))
     fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
                                                       fields["prefill_chunk_size"], selects)
     fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"],
@@ -575,6 +581,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     try:
         root = resolve(model_path).root
         cases = probe_cases(static.plan.lengths, vocab, options.verify_tokens, window=model_window(root),
+                            switch=model_longrope(root),
                             specials=special_ids(root, vocab), filled=far_past_fits(static.plan.kv_element_types))
         cases += media_probe(manifest, static.plan.lengths, vocab, options.verify_tokens)
         manifest["verification"], ir_gens = _compile_and_verify(model_path, work, manifest, static, cases, selecting,
@@ -657,6 +664,22 @@ def model_window(source_dir: Path) -> int | None:
     return window if window > 0 else None
 
 
+def model_longrope(source_dir: Path) -> int | None:
+    """LongRoPE's original positions T (Phi-3 and Phi-3.5's long-context models, Phi-4-mini),
+    where the model's config.json states rope type longrope (in `rope_scaling` or
+    `rope_parameters`): optimum's export takes a call's rotary factors long when its longest
+    position reaches T, short below. For the compile's switch probe (`probe_cases`); None
+    otherwise."""
+    config = _model_config(source_dir)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key)
+        if isinstance(rope, dict) and "longrope" in (rope.get("rope_type"), rope.get("type")):
+            switch = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+            if isinstance(switch, int) and not isinstance(switch, bool) and switch > 0:
+                return switch
+    return None
+
+
 # How a TopK is written in each source format: an IR layer's type attribute; an ONNX node's
 # op_type (NodeProto field 4, a length-delimited string of 4 bytes).
 _TOPK = {"ir": b'type="TopK"', "onnx": b"\x22\x04TopK"}
@@ -679,6 +702,11 @@ def _holds(path: Path, pattern: bytes) -> bool:
                 return True
             tail = block[-len(pattern):]
     return False
+
+
+def source_longrope(model_path) -> int | None:
+    """`model_longrope` of a model's directory or file."""
+    return model_longrope(resolve(model_path).root)
 
 
 def source_image_rows(model_path) -> int:

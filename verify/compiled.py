@@ -56,7 +56,7 @@ UNREAD_CHECKS = (("embedding", "embedding table"), ("weights", "weights"), ("exp
 
 
 def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | None = None,
-                specials=(), filled: bool = True) -> list[Probe]:
+                specials=(), filled: bool = True, switch: int | None = None) -> list[Probe]:
     """Compile's probes: a deterministic prompt of 7 tokens with a chunked prefill (P - 1
     without), led by `specials` (`special_ids`), that generates `tokens` new tokens (at most
     what fits), the generate models' probe; then prompts until every chunk model has run over a
@@ -124,7 +124,14 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     position 0 whose last step attends past it, unless one above does: min(P, W + 9) tokens,
     decoded on to position W + 2 at least (far probes start over empty rows, which no window
     drops: with them alone, starcoder2 numbering its past from 1 in the window's comparison
-    was published)."""
+    was published).
+
+    A `switch` (LongRoPE's original positions T, `model_longrope`: the rotary factors of a call
+    are the long ones when its longest position reaches T) below the prompt's bound gets a
+    prompt from position 0 of min(P, T + 9) tokens, unless one above is longer than T: a
+    chunked prefill's calls below T rotate at the short factors where the source, the prompt in
+    one call, rotates every row at the long ones (phi3_longrope, chunks of 16: published, its
+    128-token prompt's first token another)."""
     from kvc.runtime.static_pipeline import max_new_tokens, variants_run
 
     rng = np.random.default_rng(seed)
@@ -158,6 +165,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
         length = min(plan.prompt, window + 9)
         n = min(max(BULK_TOKENS, window + 3 - length), max_new_tokens(plan, length))
         cases.append(Probe(rng.integers(1, vocab, length).tolist(), n))
+    if switch is not None and switch < plan.prompt and all(
+            len(probe.prompt) <= switch or probe.origin for probe in cases):
+        length = min(plan.prompt, switch + 9)
+        cases.append(Probe(rng.integers(1, vocab, length).tolist(), min(BULK_TOKENS, max_new_tokens(plan, length))))
     pads = np.random.default_rng((seed, 1))  # its own stream: the other probes' prompts stay as they were
     for origin, length in _pad_probes(plan, cases):  # over empty rows: the call's own rows are all it attends
         cases.append(Probe(pads.integers(1, vocab, length).tolist(),
@@ -865,7 +876,7 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     Holding them all at once, `kvc verify` of the 250M bench model peaked at 6.45 GB (3.14 now)."""
     from pathlib import Path
 
-    from kvc.export.compile import model_window
+    from kvc.export.compile import model_longrope, model_window
     from kvc.export.load import backend_config, pipeline_from, require_blobs
     from kvc.export.manifest import check_files, plan_of, read_manifest, recorded_source, source_hashes, vocab_of
     from kvc.runtime.compare import nrmse_limit, reduced_precision, same_quantization, step_limit
@@ -890,7 +901,8 @@ def verify_compiled(directory, *, against=None, backends=("numpy", "openvino"), 
     specials = special_ids(directory, vocab)
     prompts = prompts or default_prompts(lengths, vocab, specials=specials)
     cases = [Probe(prompt, min(new_tokens, max_new_tokens(lengths, len(prompt)))) for prompt in prompts]
-    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), specials=specials,
+    cases += probe_cases(lengths, vocab, new_tokens, window=model_window(directory), switch=model_longrope(directory),
+                         specials=specials,
                          filled=far_past_fits(plan.kv_element_types))
     cases += media_probe(manifest, lengths, vocab, new_tokens)
     kv_types = plan.kv_element_types

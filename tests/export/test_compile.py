@@ -1286,7 +1286,6 @@ def test_the_library_builds_what_kvc_compile_builds(tmp_path):
     """compile_static resolves the prefill chunk, KV type and attention as `kvc compile` does:
     the same source gives the same plan and byte-identical models either way."""
     from kvc.export.compile import compile_static
-    from tests.cli.runner import kvc
 
     kvc("compile", fixtures.path("llama"), "-o", tmp_path / "cli", "--max-prompt-len", "64", "--min-response-len", "64")
     compile_to(fixtures.path("llama"), tmp_path / "lib",
@@ -1470,3 +1469,23 @@ def test_kvc_build_digests_every_package_pyproject_installs(tmp_path, monkeypatc
         assert manifest.kvc_build() != before
     finally:
         manifest.kvc_build.cache_clear()
+
+
+def test_longrope_past_its_original_positions_compiles_unchunked_and_a_chunked_one_is_refused(tmp_path):
+    """phi3_longrope (LongRoPE, 64 original positions, P 128): the source takes a call's rotary
+    factors long when its longest position reaches 64, so a prompt longer than that is rotated
+    at the long factors whole, and a prefill in chunks of 16 rotates its first chunks at the
+    short ones. The compile published such a pipeline at its CPU defaults (kvc verify then
+    refused its 128-token prompt): no probe from position 0 ran past 64. The switch probe (73
+    tokens) refuses it, and --prefill-chunk-size auto leaves such a model unchunked."""
+    from kvc.export.compile import model_longrope, resolve_chunk
+
+    source = fixtures.path("phi3_longrope")
+    assert model_longrope(source) == 64 and model_longrope(fixtures.path("phi3")) is None
+    assert resolve_chunk("auto", ("CPU",), "f32", 64, 128) == 0 and resolve_chunk("auto", ("CPU",), "f32", 4096, 1024)
+    refused = kvc("compile", source, "-o", tmp_path / "chunked", "--prefill-chunk-size", "16", code=4)
+    assert "prompt of 73 tokens" in refused.output and not (tmp_path / "chunked").exists()
+    out = tmp_path / "out"
+    kvc("compile", source, "-o", out)
+    assert json.loads((out / "manifest.json").read_text())["plan"]["options"]["prefill_chunk_size"] == 0
+    assert "verification: OK" in kvc("verify", out, "--backends", "numpy").output
