@@ -229,6 +229,11 @@ def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover
                                 "kvc cannot shift a chunk to check that its rows move, so chunk reuse is refused")
     if any(s.kind.endswith("_scale") for s in pipeline.kv):
         raise ChunkReuseRefused("chunk reuse with int8 KV is not supported (moving keys needs them dequantized)")
+    rope = _rope_parameters(config) if config is not None else {}
+    if "longrope" in (rope.get("rope_type"), rope.get("type")):
+        raise ChunkReuseRefused("this model's rotary is LongRoPE, whose factors a call takes by its longest position "
+                                "(long from original_max_position_embeddings on): a chunk's rows depend on the call "
+                                "that computed them, not on their positions alone, so chunk reuse is refused")
     C, P = L.chunk, L.prompt
     shift = P - C  # the largest move: a chunk computed at 0 reused at the end of the prompt, or back
     rng = np.random.default_rng(seed)

@@ -210,8 +210,9 @@ def test_blocks_computed_after_placed_rows_are_reusable_as_chunks():
     ("mpt", "no position_ids input"),
     ("gpt_neox_japanese", "no position_ids input"),
     # LongRoPE: a call whose positions pass 64 rotates every row at the long factors, so a chunk
-    # moved past 64 is not the chunk rotated (its layer-0 keys change, and layer 1's values)
-    ("phi3_longrope", "values change when the whole chunk moves"),
+    # moved past 64 is not the chunk rotated; said so, where the calibration had said its values
+    # "change when the whole chunk moves: the model mixes absolute positions"
+    ("phi3_longrope", "rotary is LongRoPE"),
 ])
 def test_models_whose_rows_cannot_move_are_refused(name, message):
     with pytest.raises(ChunkReuseRefused, match=message):
