@@ -82,6 +82,17 @@ def _rope_parameters(config: dict) -> dict:
     return params
 
 
+def longrope_switch(config: dict) -> int | None:
+    """LongRoPE's original positions T where a (language model's) config states rope type
+    longrope: optimum's export takes a call's rotary factors long when its longest position
+    reaches T, short below (kvc.export.compile.model_longrope); None otherwise."""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(params, dict) or "longrope" not in (params.get("rope_type"), params.get("type")):
+        return None
+    switch = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    return switch if isinstance(switch, int) and not isinstance(switch, bool) and switch > 0 else None
+
+
 def inverse_frequencies(config: dict, dim: int) -> tuple[float, ...]:
     """The rotary frequencies a Hugging Face config gives `dim` rotated channels."""
     params = _rope_parameters(config)
@@ -229,8 +240,7 @@ def calibrate(pipeline, config: dict | None, seed: int = 0, exact=None) -> Mover
                                 "kvc cannot shift a chunk to check that its rows move, so chunk reuse is refused")
     if any(s.kind.endswith("_scale") for s in pipeline.kv):
         raise ChunkReuseRefused("chunk reuse with int8 KV is not supported (moving keys needs them dequantized)")
-    rope = _rope_parameters(config) if config is not None else {}
-    if "longrope" in (rope.get("rope_type"), rope.get("type")):
+    if config is not None and longrope_switch(config) is not None:
         raise ChunkReuseRefused("this model's rotary is LongRoPE, whose factors a call takes by its longest position "
                                 "(long from original_max_position_embeddings on): a chunk's rows depend on the call "
                                 "that computed them, not on their positions alone, so chunk reuse is refused")

@@ -668,16 +668,11 @@ def model_longrope(source_dir: Path) -> int | None:
     """LongRoPE's original positions T (Phi-3 and Phi-3.5's long-context models, Phi-4-mini),
     where the model's config.json states rope type longrope (in `rope_scaling` or
     `rope_parameters`): optimum's export takes a call's rotary factors long when its longest
-    position reaches T, short below. For the compile's switch probe (`probe_cases`); None
-    otherwise."""
-    config = _model_config(source_dir)
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = config.get(key)
-        if isinstance(rope, dict) and "longrope" in (rope.get("rope_type"), rope.get("type")):
-            switch = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
-            if isinstance(switch, int) and not isinstance(switch, bool) and switch > 0:
-                return switch
-    return None
+    position reaches T, short below (`kvc.cache.moves.longrope_switch`). For the compile's switch
+    probe (`probe_cases`) and `resolve_chunk`; None otherwise."""
+    from kvc.cache.moves import longrope_switch
+
+    return longrope_switch(_model_config(source_dir))
 
 
 # How a TopK is written in each source format: an IR layer's type attribute; an ONNX node's
@@ -1070,7 +1065,7 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
         checked, kept = check_blobs(work, manifest, device, cases, ir_gens,
                                     lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
                                     selecting=selecting, source=model_path, keep=device == serve,
-                                    quantized=quantized, npuw=npuw if ir_gens is not None else None)
+                                    quantized=quantized, npuw=npuw)
         rows += checked
         pipeline = pipeline or kept
         bad = next((r for r in rows if not r["ok"]), None)

@@ -661,42 +661,38 @@ def quantized_reference(directory, manifest: dict, cases, on_case=None, widen: b
     steps to 0.04 on the zoo), int8's fixed bounds (0.05, 0.25) took it, and blob-only faults of
     o_proj 3% to 30%, the attention's scale 1%, RoPE's frequencies 0.1% were published in exact
     CPU blobs and the NPU's (a red-team review)."""
-    from kvc.runtime.ops import products
-
-    made = []
-
-    def gens():
-        if not made:
-            with products.pooled():  # the same numbers however many cores BLAS may take (the compile's check)
-                made.append(ir_generations(directory, manifest, cases, on_case, widen=widen))
-        return made[0]
-    return gens
+    return _once(lambda: ir_generations(directory, manifest, cases, on_case, widen=widen))
 
 
 def npuw_reference(directory, manifest: dict, cases, on_case=None):
     """The IR's runs with weight decompression as NPUW on its CPU backend computes it
     (`ir_generations(npuw=True)`), which NPU blobs are judged against where it differs from the
     CPU plugin's: made when first asked for, None where no model rounds its decompression
-    (`Interpreter.rounds_decompression`: nf4 read by a Gather, nvfp4). Against the IR as the CPU
+    (`decompression_nodes`: nf4 read by a Gather, nvfp4). Against the IR as the CPU
     computes it, exact NPU blobs (f32 cache) of llama_nf4_g16, qwen2_nf4_g16 and llama_nvfp4
     were refused, 0.9e-3 to 3e-3 past 1.3e-4."""
     from kvc.export.load import load
     from kvc.runtime.interpreter import decompression_nodes
-    from kvc.runtime.ops import products
-
-    made = []
 
     def gens():
-        if not made:
-            entry = manifest["models"]["prefill"]
-            model = load(Path(directory) / entry["xml"], weights=Path(directory) / manifest["weights"])
-            if not decompression_nodes(model)[1]:
-                made.append(None)
-            else:
-                with products.pooled():
-                    made.append(ir_generations(directory, manifest, cases, on_case, npuw=True))
-        return made[0]
-    return gens
+        entry = manifest["models"]["prefill"]
+        model = load(Path(directory) / entry["xml"], weights=Path(directory) / manifest["weights"])
+        return ir_generations(directory, manifest, cases, on_case, npuw=True) if decompression_nodes(model)[1] else None
+    return _once(gens)
+
+
+def _once(make):
+    """`make`'s result, made when first asked for and kept, its products computed on the pool
+    (`products.pooled`: the same numbers however many cores BLAS may take, as the compile's check)."""
+    import functools
+
+    from kvc.runtime.ops import products
+
+    @functools.cache
+    def made():
+        with products.pooled():
+            return make()
+    return made
 
 
 def check_blobs(directory, manifest: dict, device: str, cases, ir_gens=None, on_step=None, *,
