@@ -1,5 +1,5 @@
 """Gather and scatter: Gather (v1/v7/v8), GatherND, GatherElements, ScatterUpdate,
-ScatterNDUpdate, ScatterElementsUpdate, OneHot.
+ScatterNDUpdate, ScatterElementsUpdate, OneHot, NonZero.
 
 Negative indices count from the end of the indexed axis. Gather-8 returns zeros for indices
 out of range (its spec); the others treat them as errors.
@@ -184,5 +184,17 @@ def one_hot(spec: NodeSpec):
         a = norm_axis(axis, idx.ndim + 1)
         hot = np.expand_dims(idx, a) == np.arange(d).reshape((1,) * a + (d,) + (1,) * (idx.ndim - a))
         return np.where(hot, on_value.reshape(()), off_value.reshape(())).astype(out)
+
+    return run
+
+
+@register("NonZero")
+def non_zero(spec: NodeSpec):
+    """The index tuples of the nonzero elements, [rank, count], in row-major order (its spec;
+    NaN is nonzero)."""
+    out = spec.out_dtype
+
+    def run(data):
+        return np.stack(np.nonzero(data)).astype(out) if data.ndim else np.zeros((0, int(data != 0)), out)
 
     return run

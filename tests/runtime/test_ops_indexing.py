@@ -238,6 +238,15 @@ def test_one_hot(axis):
     check(lambda i: opset1.one_hot(i, i64(5), np.array(2.5, np.float32), np.array(-1.0, np.float32), axis), {"i": idx})
 
 
+# -- NonZero ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("out", ["i64", "i32"])
+@pytest.mark.parametrize("data", [np.array([[0, 2, 0], [1, 0, -3]], np.int64),
+                                  np.array([[[0.0, np.nan], [-0.0, 1.5]]], np.float32),  # NaN is nonzero, -0 is not
+                                  np.zeros((2, 3), np.float32), np.array([1, 0, 1], np.int64)])
+def test_non_zero(data, out):
+    check(lambda d: opset3.non_zero(d, out), {"d": data}, dynamic=True)
+
+
 # -- dynamic shapes ---------------------------------------------------------------------------
 def test_dynamic_shapes():
     data = randn(40, (2, 5, 3))
