@@ -554,7 +554,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
     static.models.clear()
     unread = _check_unread(model_path, work, models) if options.verify else None
 
-    def compile_for(device: str) -> None:
+    def compile_for(device: str, apart: bool = False) -> None:
         keys = {}
         config = export_config(device, options.inference_precision,
                                lambda: hashes.entry(work / WEIGHTS_FILE)["sha256"], integer)
@@ -562,8 +562,17 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
             digests = hashes.range_digests(work / WEIGHTS_FILE, ranges)
             keys = _blob_keys(texts, digests, device, config)
         for name, blob in _export_blobs(work, xmls, models, device, config, progress, compiler, cache,
-                                        keys).items():
+                                        keys, apart).items():
             models[name]["blobs"][device] = blob
+
+    def compile_apart(device: str) -> None:
+        """Every model of `device` in a blob of its own, in place of its If chains (`ChainImportError`)."""
+        chains = {m["blobs"][device]["file"] for m in models.values() if "branches" in m["blobs"][device]}
+        for file in chains:
+            (work / file).unlink()
+        compile_for(device, apart=True)
+        for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
+            hashes.start(work / file)
 
     manifest = {
         "format": FORMAT,
@@ -592,7 +601,7 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
             for file in sorted({m["blobs"][device]["file"] for m in models.values()}):
                 hashes.start(work / file)
         manifest["blob_check"], pipeline = _check_blobs(model_path, work, manifest, cases, ir_gens, selecting,
-                                                        options, progress, serve)
+                                                        options, progress, serve, compile_apart)
     except EvaluationError as exc:  # a probe reached past a position table the model states
         beyond = _beyond_max_positions(stated, options.static)
         if beyond is None:
@@ -810,13 +819,15 @@ def _blob_keys(texts: dict[str, str], digests: dict, device: str, config: dict) 
 
 
 def _export_blobs(work: Path, xmls: dict[str, Path], models: dict[str, dict], device: str, config: dict,
-                  progress, compiler, cache: BlobCache | None, keys: dict[str, str]) -> dict[str, dict]:
+                  progress, compiler, cache: BlobCache | None, keys: dict[str, str],
+                  apart: bool = False) -> dict[str, dict]:
     """Compile each saved model for `device` with `config` (`export_config`; each in a fresh
     process, `DeviceCompiler`) and write its blob, or take it from `cache` when it holds the
     blob of the model's key in `keys`; the manifest entry of each. The groups `branch_groups`
     finds in `models` (their manifest entries) are each compiled as one If chain, one blob for
-    all (export/branches.py)."""
-    grouped = {name: group for group in branch_groups({n: models[n] for n in xmls}, device) for name in group}
+    all (export/branches.py), unless `apart`."""
+    groups = [] if apart else branch_groups({n: models[n] for n in xmls}, device)
+    grouped = {name: group for group in groups for name in group}
     units = list(dict.fromkeys(grouped.get(name, (name,)) for name in xmls))
     blobs = {}
     progress(f"compiling {', '.join('+'.join(unit) for unit in units)} for {device}")
@@ -1048,10 +1059,18 @@ def _verify_experts(model_path: Path, work: Path, manifest: dict, cases, progres
 
 
 def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, selecting: bool,
-                 options: CompileOptions, progress, serve: str | None):
+                 options: CompileOptions, progress, serve: str | None, compile_apart):
     """Every blob imported as `kvc run` imports it and run on the probe `cases`, against the
     IR's generations `ir_gens` (only for finite logits with --no-verify): the rows, and the
-    pipeline over the blobs of the device `serve` (else None)."""
+    pipeline over the blobs of the device `serve` (else None).
+
+    A chain of prefill models the CPU plugin cannot import back (`ChainImportError`: OpenVINO
+    2026.4.1 compiles some mixtures of experts into its internal GatherMatmul, and cannot
+    import that op inside an If, though it imports the same models compiled alone) is compiled
+    again by `compile_apart`, each model a blob of its own, and checked again: Qwen3-MoE and
+    AFMoE exported under transformers 4.57, whose default CPU compile stopped at exit 5. Their
+    blobs then hold the weights once each, the price of an import that works."""
+    from kvc.export.load import ChainImportError
     from kvc.verify.compiled import check_blobs, npuw_reference, probe_label, quantized_reference
 
     rows, pipeline = [], None
@@ -1062,10 +1081,19 @@ def _check_blobs(model_path: Path, work: Path, manifest: dict, cases, ir_gens, s
     for device in options.devices:
         _phase(options, f"check the {device} blobs", work)
         progress(f"importing and running the {device} blobs")
-        checked, kept = check_blobs(work, manifest, device, cases, ir_gens,
-                                    lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
-                                    selecting=selecting, source=model_path, keep=device == serve,
-                                    quantized=quantized, npuw=npuw)
+        def check():
+            return check_blobs(work, manifest, device, cases, ir_gens,
+                               lambda i, n: progress(f"checking the {device} blobs ({i}/{n})"),
+                               selecting=selecting, source=model_path, keep=device == serve,
+                               quantized=quantized, npuw=npuw)
+
+        try:
+            checked, kept = check()
+        except ChainImportError as exc:
+            progress(f"the {device} plugin cannot import back the chain of prefill models it compiled "
+                     f"({exc.reason}); compiling them apart")
+            compile_apart(device)
+            checked, kept = check()
         rows += checked
         pipeline = pipeline or kept
         bad = next((r for r in rows if not r["ok"]), None)

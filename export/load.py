@@ -147,8 +147,10 @@ class _Imports:
                                                              device, config)
         except RuntimeError as exc:
             reason = openvino_reason(exc)
-            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}"
-                              f"{_import_hint(reason, blob, self.manifest['models'])}") from None
+            hint = _import_hint(reason, blob, self.manifest["models"])
+            if hint.startswith(CHAIN_HINT):
+                raise ChainImportError(f"cannot import {blob['file']} on {device}: {reason}{hint}", reason) from None
+            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}{hint}") from None
         if "branches" in blob:
             entries = {m: self.manifest["models"][m] for m in blob["branches"]}
             check_ports(directory, "+".join(blob["branches"]), branch_ports(entries), compiled.inputs, compiled.outputs)
@@ -171,9 +173,22 @@ def _import_hint(reason: str, blob: dict, models: dict) -> str:
                 "rows: compile with --prefill-first-rows static (auto is static for a model with a TopK router)")
     if not chain:
         return ""
-    return ("; this CPU plugin cannot import the mixture of experts it compiled into a chain of prefill models "
-            f"({' + '.join(chain)}), though it imports them compiled apart: compile with --prefill-first 0 and one "
-            "--prefill-chunk-size (one prefill model, a blob of its own)")
+    return (f"{CHAIN_HINT} ({' + '.join(chain)}), though it imports them compiled apart: kvc compile compiles "
+            "them apart when it meets this; compile again with this kvc")
+
+
+# How `_import_hint` begins for a chain of prefill models the CPU plugin cannot import back.
+CHAIN_HINT = "; this CPU plugin cannot import the mixture of experts it compiled into a chain of prefill models"
+
+
+class ChainImportError(DeviceError):
+    """The CPU plugin cannot import back the If chain of prefill models it compiled
+    (`_import_hint`; `reason`: the plugin's): `kvc compile` then compiles them apart
+    (export/compile.py)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _ir_config(blob: dict | None, device: str) -> dict:
