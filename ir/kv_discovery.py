@@ -212,7 +212,8 @@ def _labels(model: ov.Model, candidates: list[_Candidate], file: str) -> list[tu
         raise InvalidModelError(
             "not-kv-state", file, "the model keeps state that no attention reads and that does not grow along a "
             "sequence: kvc compiles attention KV caches, and a recurrent state (a Mamba layer's convolution and "
-            "SSM states, as in granitemoehybrid, falcon_h1, jamba, lfm2) has no static form of its own: a padded "
+            "SSM states, as in granitemoehybrid, falcon_h1, jamba, lfm2; a Gated DeltaNet's, as in Qwen3.5 and "
+            "Qwen3-Next) has no static form of its own: a padded "
             "prompt would run its pad rows through the scan",
             expected=f"states read as key or value by the model's {attentions} attention "
                      f"op{'s' if attentions != 1 else ''}", found=", ".join(fixed))
