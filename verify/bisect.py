@@ -37,7 +37,7 @@ from kvc.plan import StaticOptions
 from kvc.runtime.compare import F16_NRMSE, f32_bound, max_abs, nonfinite_mismatch, nrmse
 from kvc.runtime.generate import first_step_feed
 from kvc.verify.embedding import model_differs, source_table
-from kvc.verify.experts import ROUND_STEPS, experts_of, force_routers, forced_routing, rounds
+from kvc.verify.experts import ROUND_STEPS, ROUTER_SHIFT, experts_of, force_routers, forced_routing, rounds
 from kvc.verify.weights import model_differs as weights_differ
 from kvc.verify.weights import weights_of
 from kvc.verify.probe import (dynamic_logits, dynamic_rows, is_static, session_for, static_cases, static_feed,
@@ -152,14 +152,16 @@ def _forced_static(model: ov.Model, lifted: ov.Model, tokens, experts: tuple[int
     m = math.ceil(count / per_token)
     needed = min(len(rounds(count, per_token)) * m + m - 1, ROUND_STEPS)
     shift, shifts = 0, 1
+    forced = force_routers(model.clone(), shift_input=True)  # one prepared model runs every shift
+    session = session_for(forced)
     while shift < shifts:
-        forced = force_routers(model.clone(), shift)
         if shift not in refs:  # the source forced alike, and its runs, kept for every stage of the branch
             refs[shift] = force_routers(lifted.clone(), shift), {}
         reference, memo = refs[shift]
         feed = static_feed(forced, reference, tokens, memo=memo)
         shifts = needed  # positions shift + [0, n): n = feed.positions
-        a, n, ok = _judge(feed.ref_logits, session_for(forced).infer(feed.inputs)["logits"][0][feed.rows], feed.f16)
+        inputs = {**feed.inputs, ROUTER_SHIFT: np.array(shift, np.int64)}
+        a, n, ok = _judge(feed.ref_logits, session.infer(inputs)["logits"][0][feed.rows], feed.f16)
         if not ok:
             return _forced_reason(experts, a, n)
         shift += feed.positions

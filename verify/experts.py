@@ -152,10 +152,15 @@ def rounds(experts: int, per_token: int) -> np.ndarray:
     return np.array([np.arange(E)] + [rng.permutation(E) for _ in range(max(1, 2 * (E - 1)) - 1)], np.int64)
 
 
-def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
+# The scalar i64 input `force_routers(shift_input=True)` adds: the shift, fed at each call.
+ROUTER_SHIFT = "kvc.router_shift"
+
+
+def force_routers(model: ov.Model, shift: int = 0, *, shift_input: bool = False) -> ov.Model:
     """`model`, edited in place: every router picks the experts its row's position fixes (the
     module's rule), or with `shift` those of position + shift (kvc bisect's one-row steps run
-    each shift below 2 ceil(E / k) - 1 to pick every expert). The routers of a group
+    each shift below 2 ceil(E / k) - 1 to pick every expert); with `shift_input`, the shift is
+    the input ROUTER_SHIFT instead, so that one prepared model runs every shift. The routers of a group
     (`router_groups`) take the k experts in turn: the t-th, of k_t, those from the sum of the k's
     before it. A model with routers but no ``position_ids`` is a VerificationError: its experts
     cannot all be run, and an unproven model is not passed."""
@@ -170,7 +175,12 @@ def force_routers(model: ov.Model, shift: int = 0) -> ov.Model:
                                 f"experts but has no position_ids input to force its routers by (use --no-verify "
                                 f"to publish it unproven)")
     rows = ops.reshape(ops.convert(positions, "i64"), ops.constant(np.array([-1], np.int64)), False)
-    if shift:
+    if shift_input:
+        param = ops.parameter([], np.int64, name=ROUTER_SHIFT)
+        param.output(0).set_names({ROUTER_SHIFT})
+        model.add_parameters([param])
+        rows = ops.add(rows, param)
+    elif shift:
         rows = ops.add(rows, ops.constant(np.int64(shift)))
     for group in groups:
         total, first = sum(_k(op) for op in group), 0

@@ -22,7 +22,7 @@ from kvc.passes.framework.base import Pass, PassResult, option
 from kvc.passes.framework.registry import register_pass
 from kvc.runtime.session import NumpySession
 from kvc.verify.compiled import Probe, probe_cases
-from kvc.verify.experts import experts_of, force_routers, forced_cases, router_groups, rounds, routers
+from kvc.verify.experts import ROUTER_SHIFT, experts_of, force_routers, forced_cases, router_groups, rounds, routers
 from tests.cli.runner import SMALL, kvc
 from tests.export.test_weights_check import built, never_routed
 from tests.mutation.mutants import apply, swap_experts
@@ -96,6 +96,23 @@ def test_a_forced_router_picks_the_experts_each_position_fixes(engine):
     np.testing.assert_array_equal(indices, expected)
     assert indices.dtype == np.int32
     np.testing.assert_array_equal(values, np.take_along_axis(scores, expected, 1))
+
+
+def test_a_shift_fed_as_an_input_forces_what_the_same_shift_built_in_forces():
+    """kvc bisect prepares one forced model per stage and feeds it every shift (ROUTER_SHIFT)."""
+    scores = np.arange(25, dtype=np.float32).reshape(5, 5) * -1.0
+    feed = {"scores": scores, "position_ids": np.array([[7, 8, 9, 10, 11]], np.int64)}
+    model = force_routers(router(5, 2), shift_input=True)
+    fed = NumpySession(model)
+
+    def indices(session, m, extra=None):
+        return session.infer({**feed, **(extra or {})})[m.outputs[1].get_any_name()]
+
+    for shift in (0, 1, 4, 13):
+        built = force_routers(router(5, 2), shift)
+        np.testing.assert_array_equal(indices(fed, model, {ROUTER_SHIFT: np.array(shift, np.int64)}),
+                                      indices(NumpySession(built), built))
+    assert not np.array_equal(*(indices(fed, model, {ROUTER_SHIFT: np.array(s, np.int64)}) for s in (0, 1)))
 
 
 def test_a_model_with_routers_but_no_positions_is_refused():
