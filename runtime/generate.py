@@ -79,8 +79,9 @@ def far_past_fits(kv_element_types) -> bool:
     return all(t in ("f32", "f16", "bf16") for t in kv_element_types)
 
 
-def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Seed a session's empty cache with `rows` far-past rows (`far_past`): a stateless
+def _far_past_cache(session: Session, rows: int, zeros: bool = False) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Seed a session's empty cache with `rows` far-past rows (`far_past`; with `zeros`, rows
+    of zeros, which a caller masks): a stateless
     session's past inputs (returned), a stateful one's variables (set); and, for each cache
     tensor by the name its cache is kept under (`Generation.cache`), its sequence axis. A zero-length cache names its sequence axis by its last empty dimension
     (the first is the batch's, as OpenVINO's variables start)."""
@@ -95,6 +96,8 @@ def _far_past_cache(session: Session, rows: int) -> tuple[dict[str, np.ndarray],
             shape[dims[0]] = 1
         shape[dims[-1]] = rows
         axes[name] = dims[-1]
+        if zeros:
+            return np.zeros(shape, array.dtype)
         return far_past(static, shape, dims[-1]).astype(array.dtype)
 
     axes: dict[str, int] = {}
@@ -209,7 +212,8 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
     """Greedy decoding of one prompt (batch 1): argmax each step, no early stop; with
     `keep_cache`, the cache it leaves in `Generation.cache`; `origin`: the prompt's first
     position (`step_inputs`), and with `filled` the cache starts with `origin` rows of
-    `far_past`, attended (the kept cache then leaves them out: its rows are the prompt's on).
+    `far_past`, attended (the kept cache then leaves them out: its rows are the prompt's on);
+    without, a model with position_ids starts over `origin` masked rows of zeros (below).
     `media`: the prompt's rows and positions besides its ids (`kvc.runtime.embeddings.Media`),
     from position 0."""
     ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
@@ -224,15 +228,25 @@ def greedy(session: Session, prompt: list[int] | np.ndarray, max_new_tokens: int
     stateless = is_stateless(session)
     past = empty_past(session, 1) if stateless else {}
     gen = Generation(prompt=[int(t) for t in ids[0]], origin=origin, filled=bool(filled and origin), media=media)
-    past_len, axes = 0, {}
-    if gen.filled:  # the far past is the cache's first `origin` rows: positions count on from them
+    past_len, axes, masked = 0, {}, 0
+    # Without a far past, a model with positions of its own gets `origin` masked rows before the
+    # prompt, as a static model has them (`StaticPipeline`): a source that sizes what it reads
+    # by its cache (transformers 4's PhiMoE computes its cos/sin table for the cache's rows and
+    # indexes it by position) then reads a position as it does in a run from position 0. A
+    # model without position_ids counts positions from its first attended row, as before.
+    if origin and not gen.filled and reset and session.has_input("position_ids") \
+            and session.has_input("attention_mask"):
+        masked = origin
+    if gen.filled or masked:  # the far past is the cache's first `origin` rows: positions count on from them
         if not reset:
             raise UsageError("a far past seeds an empty cache: greedy(filled=True) needs reset")
-        past, axes = _far_past_cache(session, origin)
+        past, axes = _far_past_cache(session, origin, zeros=bool(masked))
         past_len, origin = origin, 0
     step_ids = ids
     for step in range(max_new_tokens):
         feed = step_inputs(session, step_ids, past_len, origin, media)
+        if masked:
+            feed["attention_mask"][:, :masked] = 0
         feed.update(past)
         out = session.infer(feed)
         logits = out["logits"][0]

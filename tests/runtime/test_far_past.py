@@ -50,6 +50,46 @@ def test_the_source_model_is_given_the_far_past_on_any_engine(stateless):
     assert np.abs(empty.logits[0] - runs[1].logits[0]).max() > 0.1
 
 
+@pytest.mark.parametrize("stateless", [False, True])
+def test_a_prompt_from_a_position_runs_over_that_many_masked_rows_as_a_static_model_does(stateless, monkeypatch):
+    """Without a far past, a source with position_ids runs a prompt from position P over P
+    masked rows of zeros, as a static model runs it over P empty, masked slots: transformers 4's
+    PhiMoE sizes its cos/sin table by its cache and indexes it by position, and over no past
+    read Gather's zeros for position 112 (a compile published right was refused). Masked rows
+    change nothing else: the same tokens and logits as over no past, and the cache it keeps
+    holds the prompt's rows and on. A model without position_ids counts positions from its
+    first attended row, so it still runs over no past."""
+    model = load(fixtures.path("llama"))
+    if stateless:
+        from kvc.passes.framework.registry import get_pass
+
+        model = get_pass("lift-state").run(model).model
+    session, feeds = OpenVINOSession(model), []
+    infer = session.infer
+    monkeypatch.setattr(session, "infer", lambda feed: feeds.append(dict(feed)) or infer(feed))
+    run = greedy(session, [5, 6, 7], 3, origin=40, keep_cache=True)
+    assert feeds[0]["attention_mask"].tolist() == [[0] * 40 + [1] * 3]
+    assert feeds[1]["attention_mask"].tolist() == [[0] * 40 + [1] * 4]
+    assert feeds[0]["position_ids"].tolist() == [[40, 41, 42]]
+    assert all(v.shape[2] == 5 for v in run.cache.values())  # 3 prompt rows, 2 generated
+    monkeypatch.undo()
+    unmasked = OpenVINOSession(model)
+    feed = {"input_ids": np.array([[5, 6, 7]]), "attention_mask": np.ones((1, 3), np.int64),
+            "position_ids": np.array([[40, 41, 42]]), "beam_idx": np.zeros(1, np.int32)}
+    if stateless:
+        from kvc.runtime.generate import empty_past
+
+        feed.update(empty_past(unmasked, 1))
+    np.testing.assert_allclose(run.first_logits, unmasked.infer(feed)["logits"][0], atol=1e-5)
+    bloom = OpenVINOSession(load(fixtures.path("bloom")))
+    assert not bloom.has_input("position_ids")
+    seen = []
+    bloom_infer = bloom.infer
+    monkeypatch.setattr(bloom, "infer", lambda feed: seen.append(dict(feed)) or bloom_infer(feed))
+    greedy(bloom, [5, 6, 7], 1, origin=40)
+    assert seen[0]["attention_mask"].tolist() == [[1, 1, 1]]
+
+
 def test_a_far_past_needs_an_empty_cache_and_a_float_static_cache():
     session = OpenVINOSession(load(fixtures.path("llama")))
     with pytest.raises(UsageError, match="needs reset"):
