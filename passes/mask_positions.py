@@ -38,12 +38,17 @@ is masked by attention_mask); anything that measures a distance is wrong. Three 
   exceed ``p_last`` on pad slots (the index stays in range; pad slots are masked anyway).
 
 * ``mask-positions/slot-positions`` (a rotary model without ``position_ids``, e.g.
-  GPT-NeoX-Japanese): transformers then takes the positions from ``cache_position =
-  arange(q_len) + past_len`` (or ``arange(past_len, past_len + q_len)``), slots again. Where
-  that vector enters a positional encoding (converted to floating point for the rotary
-  MatMul, or indexing a cos/sin table) it becomes the token positions ``cumsum(mask)[-q_len:]
-  - 1``, on that path alone; its other uses (a causal comparison, a window's difference, a
-  mask table) keep the slots.
+  GPT-NeoX-Japanese, which takes its positions from ``cache_position = arange(q_len) +
+  past_len`` or ``arange(past_len, past_len + q_len)``, slots again; or a model that reads
+  ``cache_position`` as a position beside its ``position_ids``: Llama 4's attention temperature
+  ``log1p(floor((cache_position + 1) / floor_scale))``). Where that vector enters a positional
+  encoding (converted to floating point, as for the rotary MatMul or the temperature, or
+  indexing a cos/sin table) it becomes the token positions (``position_ids``, else
+  ``cumsum(mask)[-q_len:] - 1``), on that path alone; its other uses (a causal comparison, a
+  window's difference, a mask table) keep the slots. The source's own runs from position 0
+  have slots equal to positions, and so do the compile's references of a prompt from a
+  position, which run over that many masked rows (`kvc.runtime.generate.greedy`); with
+  ``floor_scale`` 8 every compile of Llama 4 was refused while slots stayed slots.
 
 Positions come from ``position_ids`` when the model has it, else from the attention mask
 (``cumsum(mask) - 1``: ALiBi models without position_ids). Models with none of these
@@ -266,8 +271,7 @@ def _encoding_uses(out: ov.Output) -> list[tuple[ov.Input, list[ov.Node]]]:
 
 
 def _slot_positions(node: ov.Node, steps: int) -> tuple[ov.Node, list[tuple[ov.Input, list[ov.Node]]]]:
-    """transformers' ``cache_position`` in a model that takes no ``position_ids``: this step's
-    `steps` slot indices, ``arange(0, steps) + past_len`` (an integer Add of a Range from 0
+    """transformers' ``cache_position``: this step's `steps` slot indices, ``arange(0, steps) + past_len`` (an integer Add of a Range from 0
     by 1 and a computed scalar) or ``arange(past_len, past_len + steps)`` (a Range from a
     computed scalar by 1), and where it enters a positional encoding (`_encoding_uses`)."""
     if not node.get_output_element_type(0).is_integral():
@@ -324,7 +328,7 @@ class MaskPositions(Pass):
         if "attention_mask" in ports:
             right = Rule("mask-positions/right-aligned-table", anchors=("Slice",),
                          match=lambda n: _right_aligned_table(n, mask_len)).matches(nodes)
-        if "attention_mask" in ports and "position_ids" not in ports:
+        if "attention_mask" in ports:
             slots = Rule("mask-positions/slot-positions", anchors=("Add", "Range"),
                          match=lambda n: _slot_positions(n, steps)).matches(nodes)
         if not (compares or bands or right or slots):

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import openvino as ov
+import openvino.opset13 as ops
 import pytest
 from typing import ClassVar
 
@@ -719,6 +720,30 @@ def test_a_chain_the_cpu_plugin_cannot_import_back_is_compiled_apart(tmp_path, m
     prompt = fixtures.goldens("llama")["prompts"][0]
     pipe = open_compiled(out, "openvino")
     assert pipe.generate(prompt["ids"], 8).tokens == prompt["tokens"]["openvino"][:8]
+
+
+@pytest.mark.parametrize("device", ["CPU", "NPU"])
+def test_llama4s_attention_temperature_reads_positions(tmp_path, device):
+    """Llama 4 scales its NoPE layer's queries by log1p(floor((cache_position + 1) / floor_scale))
+    * attn_scale + 1, reading cache_position, slots, beside its position_ids. The fixture's
+    floor_scale is Scout's 8192 (a scale of 1 at its lengths); with 8 the temperature moves
+    every 8 positions, and every compile was refused (CPU: "prompt of 7 tokens: token 0
+    differs"; NPU: "prompt of 127 tokens: logits differ by 0.0359") while the static models
+    read slots (mask-positions/slot-positions now gives them positions, and the compile's
+    references of a prompt from a position run over that many masked rows, so theirs are
+    positions too)."""
+    source = tmp_path / "llama4_floor8"
+    shutil.copytree(fixtures.path("llama4"), source)
+    model = ov.Core().read_model(fixtures.path("llama4") / "openvino_model.xml")  # not the copy it overwrites
+    (scale,) = [n for n in model.get_ordered_ops() if n.get_type_name() == "Constant"
+                and n.get_output_size() == 1 and n.get_data().size == 1 and float(n.get_data().reshape(-1)[0]) == 8192.0]
+    scale.output(0).replace(ops.constant(np.array([8.0], np.float32)).output(0))
+    ov.save_model(model, source / "openvino_model.xml", compress_to_fp16=False)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "floor_scale": 8}))
+    out = tmp_path / "out"
+    kvc("compile", source, "-o", out, "--device", device, *CLI_SMALL)  # exit 0: verified
+    assert "verification: OK" in kvc("verify", out).output
 
 
 def test_a_source_that_selects_is_found_in_ir_and_onnx(tmp_path):

@@ -263,8 +263,9 @@ def test_mask_positions_applies_only_to_slot_indexed_masks_and_biases():
     assert hits["bloom"] == (False, {})  # ALiBi from cumsum(attention_mask) already follows positions
     # rotary positions from arange(q) + the past's length, one cache_position for all layers
     assert hits["gpt_neox_japanese"] == (True, {"mask-positions/slot-positions": 1})
-    # Llama 4's chunked attention, floor(q / 16) == floor(kv / 16) on slots, beside the causal one
-    assert hits["llama4"] == (True, {"mask-positions/index-compare": 2})
+    # Llama 4's chunked attention, floor(q / 16) == floor(kv / 16) on slots, beside the causal
+    # one; and its attention temperature, which reads cache_position as a position
+    assert hits["llama4"] == (True, {"mask-positions/index-compare": 2, "mask-positions/slot-positions": 1})
 
 
 def test_mask_positions_says_why_a_causal_band_table_is_kept():
