@@ -45,8 +45,9 @@ among those of its row; an unlisted one adds 0, which changes nothing (and is se
 multiplied, so a non-finite value in an expert a row is not routed to cannot leak). The terms
 are the source's: OpenVINO CPU, whose MatMul computes a row the same whatever the row count,
 gives the same bits; numpy's BLAS rounds a row an ulp apart by the row count. Applies
-when every use of the tuples is tuple by tuple (elementwise ops, Gathers indexed by them,
-MatMuls of their rows) and ends in one summing scatter on axis 0; other models are unchanged.
+when every use of the tuples is tuple by tuple (NonZero's output split into its indices,
+elementwise ops, Gathers indexed by them, MatMuls of their rows) and ends in one summing
+scatter on axis 0; other models are unchanged.
 Runs on dynamic models, before static-shape.
 """
 
@@ -189,6 +190,9 @@ def _routed_rows(nonzero: ov.Node) -> tuple[ov.Node, ov.Node, bool]:
                     continue
                 if kind not in _ELEMENTWISE and port not in _ROWWISE.get(kind, ()):
                     raise NoMatch(f"its indices reach {describe_node(user)} (port {port}), which is not row by row")
+                if kind == "Split" and (user.input_value(0).get_node() is not nonzero
+                                        or constant_ints(user.input_value(1)) != [0]):
+                    raise NoMatch(f"{describe_node(user)} splits other than NonZero's tuples into their indices")
                 if user not in seen:
                     seen.add(user)
                     stack.append(user)
