@@ -271,9 +271,10 @@ def _encoding_uses(out: ov.Output) -> list[tuple[ov.Input, list[ov.Node]]]:
 
 
 def _slot_positions(node: ov.Node, steps: int) -> tuple[ov.Node, list[tuple[ov.Input, list[ov.Node]]]]:
-    """transformers' ``cache_position``: this step's `steps` slot indices, ``arange(0, steps) + past_len`` (an integer Add of a Range from 0
-    by 1 and a computed scalar) or ``arange(past_len, past_len + steps)`` (a Range from a
-    computed scalar by 1), and where it enters a positional encoding (`_encoding_uses`)."""
+    """transformers' ``cache_position``: this step's `steps` slot indices, ``arange(0, steps) +
+    past_len`` (an integer Add of a Range from 0 by 1 and a computed scalar) or
+    ``arange(past_len, past_len + steps)`` (a Range from a computed scalar by 1), and where it
+    enters a positional encoding (`_encoding_uses`)."""
     if not node.get_output_element_type(0).is_integral():
         raise NoMatch("it is not an integer index vector")
     if _length(node.output(0)) != steps:

@@ -50,7 +50,8 @@ def routed_model(slots: str, tail: str = "scatter") -> ov.Model:
     out = ops.broadcast(ops.constant(np.float32(0)), ops.shape_of(x))
     for e in range(EXPERTS):
         pairs = ops.non_zero(ops.gather(hot, ops.constant(np.int64(e)), ops.constant(np.int64(0))), "i64")
-        slot, row = (ops.squeeze(p, ops.constant(np.int64(0))) for p in ops.split(pairs, ops.constant(np.int64(0)), 2).outputs())
+        halves = ops.split(pairs, ops.constant(np.int64(0)), 2).outputs()
+        slot, row = (ops.squeeze(p, ops.constant(np.int64(0))) for p in halves)
         y = ops.matmul(ops.gather(x, row, ops.constant(np.int64(0))),
                        ops.constant(rng.standard_normal((WIDTH, WIDTH)).astype(np.float32)), False, False)
         w = ops.gather(flat, ops.add(ops.multiply(row, ops.constant(np.int64(k))), slot), ops.constant(np.int64(0)))
