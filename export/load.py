@@ -146,11 +146,8 @@ class _Imports:
                 compiled = _import_core(config).import_model(io.BytesIO((directory / blob["file"]).read_bytes()),
                                                              device, config)
         except RuntimeError as exc:
-            reason = openvino_reason(exc)
-            hint = _import_hint(reason, blob, self.manifest["models"])
-            if hint.startswith(CHAIN_HINT):
-                raise ChainImportError(f"cannot import {blob['file']} on {device}: {reason}{hint}", reason) from None
-            raise DeviceError(f"cannot import {blob['file']} on {device}: {reason}{hint}") from None
+            raise _import_error(f"cannot import {blob['file']} on {device}: ", openvino_reason(exc), blob,
+                                self.manifest["models"]) from None
         if "branches" in blob:
             entries = {m: self.manifest["models"][m] for m in blob["branches"]}
             check_ports(directory, "+".join(blob["branches"]), branch_ports(entries), compiled.inputs, compiled.outputs)
@@ -159,31 +156,32 @@ class _Imports:
         return compiled
 
 
-def _import_hint(reason: str, blob: dict, models: dict) -> str:
-    """What to do about an import failure kvc knows (`resolve_first_rows`): the CPU plugin
-    2026.4.1 compiles some mixtures of experts into its internal GatherMatmul, then cannot
-    import that blob: Qwen3-MoE's over a first chunk of dynamic rows, AFMoE's (experts beside
-    a shared expert) in any body of a chain of prefill models (`kvc.export.branches`), though
-    it imports the same static models compiled alone."""
+def _import_error(head: str, reason: str, blob: dict, models: dict) -> DeviceError:
+    """The error of a blob the plugin cannot import (`reason`: the plugin's), with what to do
+    about a failure kvc knows (`resolve_first_rows`): the CPU plugin 2026.4.1 compiles some
+    mixtures of experts into its internal GatherMatmul, then cannot import that blob:
+    Qwen3-MoE's over a first chunk of dynamic rows, AFMoE's (experts beside a shared expert) in
+    any body of a chain of prefill models (`kvc.export.branches`), though it imports the same
+    static models compiled alone. The latter is a `ChainImportError`, which `kvc compile`
+    answers by compiling the chain's models apart."""
+    message = head + reason
     if "GatherMatmul" not in reason or "unsupported opset" not in reason:
-        return ""
+        return DeviceError(message)
     chain = blob.get("branches", ())
     if any(-1 in port["shape"] for m in chain for port in models[m]["inputs"]):
-        return ("; this CPU plugin cannot import the mixture of experts it compiled over a first chunk of dynamic "
-                "rows: compile with --prefill-first-rows static (auto is static for a model with a TopK router)")
+        return DeviceError(message + "; this CPU plugin cannot import the mixture of experts it compiled over a first "
+                           "chunk of dynamic rows: compile with --prefill-first-rows static (auto is static for a "
+                           "model with a TopK router)")
     if not chain:
-        return ""
-    return (f"{CHAIN_HINT} ({' + '.join(chain)}), though it imports them compiled apart: kvc compile compiles "
-            "them apart when it meets this; compile again with this kvc")
-
-
-# How `_import_hint` begins for a chain of prefill models the CPU plugin cannot import back.
-CHAIN_HINT = "; this CPU plugin cannot import the mixture of experts it compiled into a chain of prefill models"
+        return DeviceError(message)
+    return ChainImportError(message + "; this CPU plugin cannot import the mixture of experts it compiled into a "
+                            f"chain of prefill models ({' + '.join(chain)}), though it imports them compiled apart: "
+                            "kvc compile compiles them apart when it meets this; compile again with this kvc", reason)
 
 
 class ChainImportError(DeviceError):
     """The CPU plugin cannot import back the If chain of prefill models it compiled
-    (`_import_hint`; `reason`: the plugin's): `kvc compile` then compiles them apart
+    (`_import_error`; `reason`: the plugin's): `kvc compile` then compiles them apart
     (export/compile.py)."""
 
     def __init__(self, message: str, reason: str):
