@@ -208,15 +208,16 @@ def _labels(model: ov.Model, candidates: list[_Candidate], file: str) -> list[tu
         layer += hit
     missing = [c.variable_id or c.input_name for c, lab in zip(candidates, labels) if lab is None]
     fixed = [_past_name(c) for c, lab in zip(candidates, labels) if lab is None and _fixed_size(c)]
-    if missing and len(fixed) == len(missing) and attentions and any(labels):
+    if missing and len(fixed) == len(missing):  # a pure Mamba has no attention at all
+        readers = (f"the model's {attentions} attention op{'s' if attentions != 1 else ''}" if attentions else
+                   "an attention op (the model has none)")
         raise InvalidModelError(
             "not-kv-state", file, "the model keeps state that no attention reads and that does not grow along a "
             "sequence: kvc compiles attention KV caches, and a recurrent state (a Mamba layer's convolution and "
-            "SSM states, as in granitemoehybrid, falcon_h1, jamba, lfm2; a Gated DeltaNet's, as in Qwen3.5 and "
-            "Qwen3-Next) has no static form of its own: a padded "
-            "prompt would run its pad rows through the scan",
-            expected=f"states read as key or value by the model's {attentions} attention "
-                     f"op{'s' if attentions != 1 else ''}", found=", ".join(fixed))
+            "SSM states, as in mamba, falcon_mamba, zamba2, granitemoehybrid, falcon_h1, jamba; a short "
+            "convolution's, as in lfm2; a Gated DeltaNet's, as in Qwen3.5 and Qwen3-Next) has no static form of "
+            "its own: a padded prompt would run its pad rows through the scan",
+            expected=f"states read as key or value by {readers}", found=", ".join(fixed))
     if missing:
         raise InvalidModelError("kv-unlabelled", file, "cannot tell the layer and key/value of some KV tensors",
                                 expected="names like past_key_values.N.key or ScaledDotProductAttention consumers",

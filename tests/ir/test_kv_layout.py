@@ -90,3 +90,19 @@ def test_a_state_no_attention_reads_is_named_as_such():
     with pytest.raises(InvalidModelError) as info:
         ir.kv_layout(hybrid([-1, 16, -1]))
     assert info.value.code == "kv-unlabelled"
+
+
+def test_a_model_of_recurrent_state_alone_is_named_as_such():
+    """A pure Mamba (mamba, falcon_mamba) has convolution and SSM states and no attention op:
+    it was refused as `kv-unlabelled` ("cannot tell the layer and key/value"), as if kvc had
+    failed to trace a KV cache; it is `not-kv-state`, and the error says the model has no
+    attention."""
+    conv = ops.parameter([-1, 16, 4], np.float32, name="conv")
+    conv.output(0).set_names({"cache_params.past.conv.0"})
+    rows = ops.parameter([-1, 16, 1], np.float32, name="rows")
+    state = ops.concat([conv, rows], 2)
+    state.output(0).set_names({"cache_params.present.conv.0"})
+    with pytest.raises(InvalidModelError) as info:
+        ir.kv_layout(ov.Model([state.output(0)], [conv, rows], "mamba"))
+    assert info.value.code == "not-kv-state" and info.value.found == "cache_params.past.conv.0"
+    assert info.value.expected == "states read as key or value by an attention op (the model has none)"
