@@ -164,7 +164,8 @@ def _token_hash(prefix: bytes, tokens: Iterable[int], extra: bytes = b"") -> str
 
 def block_tags(tags: np.ndarray | None, start: int, size: int) -> bytes:
     """What the key of the block of `size` tokens at `start` holds besides its tokens: its rows
-    of `tags` (`Media.tags`) where any is not 0, else nothing (the key of its tokens alone)."""
+    of `tags` (`kvc.cache.serving.sequence_tags`: `Media.tags`, LongRoPE's side) where any is
+    not 0, else nothing (the key of its tokens alone)."""
     if tags is None:
         return b""
     block = np.ascontiguousarray(tags[start:start + size], "<i8")

@@ -42,6 +42,13 @@ Rules:
   prefill call after them would compute an image again (`StaticPipeline.keeps`); else the
   request restores nothing. A request with media reuses no chunks (a chunk store keys rows by
   ids alone).
+* A LongRoPE model (Phi-3's long-context models, Phi-4-mini) rotates a prompt's rows at the
+  long factors when its end reaches the original positions T, else at the short ones
+  (`kvc.passes.prompt_end`; a generated token's row: by its own position). So a row is keyed
+  by its side of T with its id (`longrope_tags`, beside `Media.tags`): a prompt restores only
+  the rows computed on its own side, and a session turn that crosses T restores nothing. The
+  plan records T (`StaticOptions.longrope_switch`); a pipeline whose prefill reads the
+  prompt's end without it is refused.
 * Everything a request could be refused for is checked before the cache or a session changes.
 * TTFT (`prefill_seconds`) includes looking the blocks up and restoring them; storing blocks
   after the request does not delay its first token and is not in it.
@@ -57,6 +64,7 @@ import numpy as np
 from kvc.cache.chunks import ChunkReuse, plan_chunks, take_rows
 from kvc.cache.prefix import PrefixCache, Retention
 from kvc.errors import UsageError
+from kvc.passes.prompt_end import PROMPT_LAST_POSITION
 from kvc.runtime.embeddings import Media
 from kvc.runtime.static_pipeline import PromptTooLongError, StaticGeneration, StaticPipeline, token_ids
 
@@ -68,21 +76,43 @@ class ChatSession:
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     exact: int = 0  # its leading rows computed without chunk reuse; the rest are approximate
     chained: int = 0  # its leading rows a run of them from position 0 computes (what a chained key may name)
-    tags: np.ndarray | None = None  # its media's (`Media.tags`), None: text
+    tags: np.ndarray | None = None  # its rows' (`sequence_tags`), None: keyed by ids alone
 
 
 def common_prefix(a, b, tags_a: np.ndarray | None = None, tags_b: np.ndarray | None = None) -> int:
     """The length of the longest common prefix of sequences `a` and `b`: ids, and with them
-    `Media.tags` (None: all 0), equal."""
+    their tags (`sequence_tags`; None: all 0, a missing column: 0), equal."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
     differ = np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64)
     if tags_a is not None or tags_b is not None:
-        ta, tb = (np.zeros((n, 4), np.int64) if t is None else t[:n] for t in (tags_a, tags_b))
+        width = max(t.shape[1] for t in (tags_a, tags_b) if t is not None)
+        ta, tb = (np.zeros((n, width), np.int64) if t is None else
+                  np.pad(t[:n], ((0, 0), (0, width - t.shape[1]))) for t in (tags_a, tags_b))
         differ |= (ta != tb).any(axis=1)
     diff = np.flatnonzero(differ)
     return int(diff[0]) if diff.size else n
+
+
+def longrope_tags(switch: int, prompt_len: int, count: int) -> np.ndarray | None:
+    """LongRoPE's side of T (`switch`) of each of the first `count` rows of a sequence that
+    begins with a `prompt_len`-token prompt, [count, 1] int64: 1 where the row rotates at the
+    long factors (a prompt's rows: its end reaches T, `prompt_len > T`; a generated token's at
+    position p: `p + 1 > T`, as its step's call), None where every row rotates at the short ones."""
+    side = np.maximum(prompt_len, np.arange(1, count + 1)) > switch
+    return side.astype(np.int64)[:, None] if side.any() else None
+
+
+def sequence_tags(media: Media | None, switch: int | None, prompt_len: int, count: int) -> np.ndarray | None:
+    """What a cache keys the first `count` rows of a sequence on besides their ids: the media's
+    `Media.tags` ([count, 4]), then LongRoPE's side (`longrope_tags`) in a fifth column where
+    any row is on the long one; None when all are 0."""
+    tags = media.tags(count) if media is not None else None
+    side = longrope_tags(switch, prompt_len, count) if switch is not None else None
+    if side is None:
+        return tags
+    return np.concatenate([np.zeros((count, 4), np.int64) if tags is None else tags, side], axis=1)
 
 
 def check_fits(pipe: StaticPipeline, prompt: np.ndarray, new_tokens: int, session: str | None) -> None:
@@ -111,6 +141,11 @@ class CachedPipeline:
                                  f"prefill chunk size {chunk}")
         if chunks is not None and cache is None:
             raise UsageError("chunk reuse keeps its chunks in the prefix cache: enable prefix caching too")
+        self.switch = pipeline.plan.options.longrope_switch
+        if self.switch is None and any(s.has_input(PROMPT_LAST_POSITION) for s in pipeline.sessions()):
+            raise UsageError("this pipeline's prefill reads the prompt's last position (prompt-end: LongRoPE's "
+                             "factors), and its plan records no LongRoPE switch (longrope_switch) to key cached "
+                             "rows by: compile it again with this kvc")
         self.pipeline, self.cache, self.chunks = pipeline, cache, chunks
         self.sessions: dict[str, ChatSession] = {}
 
@@ -141,10 +176,9 @@ class CachedPipeline:
         check_fits(pipe, prompt, new_tokens, session)
         if retention is not None:
             retention.check(n)
-        tags = None
         if media is not None:
             pipe.check_media(n, media)
-            tags = media.tags(n)
+        tags = sequence_tags(media, self.switch, n, n)
         started = time.perf_counter()  # TTFT includes finding and restoring the rows
         limit = n - 1 if pipe.lengths.chunk else 0  # the last prompt token is always computed
         blocks = self.cache.lookup(prompt, limit, tags) if self.cache is not None else []
@@ -192,7 +226,7 @@ class CachedPipeline:
         sequence = np.concatenate([prompt, np.asarray(gen.tokens[:-1], np.int64)])[:gen.kv_rows]
         exact = min([gen.kv_rows, *(x for x in (inherited, plan.first if plan else None) if x is not None)])
         chained = exact if chained is None else min(exact, chained)
-        kept_tags = None if media is None else media.tags(gen.kv_rows)  # a generated token's: its positions' shift
+        kept_tags = sequence_tags(media, self.switch, n, gen.kv_rows)  # a generated token's: its own
         if self.cache is not None:
             self.cache.store(sequence, chained, pipe.copy_rows, retention, n, kept_tags)
             # the rest for chunk reuse (a chunk store keys rows by ids alone, so not with media), from the

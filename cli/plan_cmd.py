@@ -113,19 +113,18 @@ def plan(model, workload, device, inference_precision, costs_path, max_models, m
             if costs_path is not None:  # the file the user named
                 raise
             progress(f"costs measured, not kept in the cache ({exc})")  # the plan needs no cache
-    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first, source_longrope
+    from kvc.export.compile import model_max_positions, resolve_chunk, resolve_first
     from kvc.ir.reader import resolve
     from kvc.planner import first_rows as default_rows
 
     # as kvc compile resolves its defaults (--prefill-first-rows auto: dynamic on an f32 CPU, for a
     # model without a TopK router)
-    switch = source_longrope(path)
-    default_chunk = resolve_chunk("auto", (device,), inference_precision, switch)
+    default_chunk = resolve_chunk("auto", (device,), inference_precision)
     first_rows = default_rows(device, inference_precision, path)
     default_first = resolve_first("auto", (device,), default_chunk, first_rows)
     stated = model_max_positions(resolve(path).root)
     result = best_plan(load, costs, budget, default_chunk, stated[1] if stated else None, default_first, device,
-                       first_rows, switch)
+                       first_rows)
     document = plan_document(result, load, costs, budget)
     chosen = result["plan"]
     if stated and chosen.prompt + chosen.response > stated[1]:  # as kvc compile --plan warns

@@ -7,11 +7,12 @@
                     │    (rows=dynamic: static-shape{rows=dynamic} → first-tail ─► "first-F", 1..F rows)
                     └─ static-shape{generate T} → tail ─► "generate-T" (per T)
 
-    tail: mask-positions → unmask-pad-rows → kv-io → lower-kvcache [→ group-attention] [→ mlp-rows]
-          (attention "split-past": group-attention{split_past=true} in every branch; "fold":
+    tail: [prompt-end →] mask-positions → unmask-pad-rows → kv-io → lower-kvcache
+          [→ group-attention] [→ mlp-rows] (prompt-end in the prefill branches; attention
+          "split-past": group-attention{split_past=true} in every branch; "fold":
           group-attention{fold=true} in the prefill branches and {split_past=true} in the
           generate ones; prefill_mlp "rows": mlp-rows in the prefill branches)
-    first-tail: kv-io → lower-kvcache [→ mlp-rows]: a prompt's first tokens unpadded need no
+    first-tail: prompt-end → kv-io → lower-kvcache [→ mlp-rows] → pin-rows: a prompt's first tokens unpadded need no
           mask or pad-row rewrite, and attention stays the model's own (group-attention needs
           static shapes; the CPU plugin runs the op as the stateful model does)
 
@@ -43,6 +44,7 @@ from kvc.passes.lower_kvcache import LowerKVCache
 from kvc.passes.mask_positions import MaskPositions
 from kvc.passes.mlp_rows import MlpRows
 from kvc.passes.pin_rows import PinRows
+from kvc.passes.prompt_end import PromptEnd
 from kvc.passes.relative_alibi import RelativeAlibi
 from kvc.passes.rotate_half_rope import RotateHalfRope
 from kvc.passes.static_shape import StaticShape
@@ -74,7 +76,8 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
 
     def first_tail() -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v, slice_logits=options.slice_logits)
-        return [kv_io, LowerKVCache(), *([MlpRows()] if options.prefill_mlp == "rows" else []), PinRows()]
+        return [PromptEnd(), kv_io, LowerKVCache(), *([MlpRows()] if options.prefill_mlp == "rows" else []),
+                PinRows()]
 
     def tail(prefill: bool) -> list[Pass]:
         kv_io = KVIO(kv_type=options.kv_precision, transpose_v=options.transpose_v,
@@ -84,7 +87,8 @@ def branch_passes(options: StaticOptions) -> dict[str, list[Pass]]:
         split = form == "split-past" or (form == "fold" and not prefill)
         grouped = [GroupAttention(split_past=split, fold=fold)] if form in ("grouped", "split-past", "fold") else []
         rows = [MlpRows()] if prefill and options.prefill_mlp == "rows" else []
-        return [MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped, *rows]
+        ends = [PromptEnd()] if prefill else []
+        return [*ends, MaskPositions(), UnmaskPadRows(), kv_io, LowerKVCache(), *grouped, *rows]
 
     branches = {"prefill": [StaticShape(kind="prefill", prompt=lengths.prompt, chunk=lengths.chunk), *tail(True)]}
     for chunk in lengths.bulk:

@@ -43,7 +43,7 @@ from kvc.ir.finite import check_no_nan_weights
 from kvc.ir.reader import core, load, resolve
 from kvc.ir.writer import fsync_dir, temp_dir, write_bytes_atomic
 from kvc.passes import Instrumentation, PassFailure, format_pipeline
-from kvc.plan import DEFAULT_MAX_PROMPT_LEN, StaticOptions
+from kvc.plan import StaticOptions
 from kvc.runtime.embeddings import embedder_of, language_config
 from kvc.runtime.ops import products
 from kvc.runtime.session import EXACT_CPU_CONFIG, NPUW_CPU_CONFIG
@@ -162,16 +162,14 @@ CPU_CHUNK = {"f32": (32, 256), "bf16": (16, 128), "f16": (16, 128)}
 CPU_FIRST = (16, 128)
 
 
-def resolve_chunk(value, devices=("CPU",), precision: str = "f32", switch: int | None = None,
-                  prompt: int | None = None) -> int | tuple[int, ...]:
+def resolve_chunk(value, devices=("CPU",), precision: str = "f32") -> int | tuple[int, ...]:
     """--prefill-chunk-size auto: when every device is the CPU, CPU_CHUNK for the blobs'
-    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0; and 0
-    for a model whose LongRoPE `switch` (`source_longrope`) lies below the prompt's bound
-    (`prompt`, else NPUW's 1024): a chunk below T rotates its rows at the short factors where
-    the source's one call for a longer prompt rotates them at the long ones."""
+    arithmetic (`precision`; "auto": what the CPU plugin picks on this host), else 0. A
+    LongRoPE model is chunked as any other: its prefill calls read the prompt's last position
+    (`kvc.passes.prompt_end`), as the source's one call of the whole prompt does."""
     if value != "auto":
         return value
-    if not cpu_only(devices) or (switch is not None and switch < (prompt or DEFAULT_MAX_PROMPT_LEN)):
+    if not cpu_only(devices):
         return 0
     return CPU_CHUNK.get(cpu_precision(precision), CPU_CHUNK["f32"])
 
@@ -294,14 +292,15 @@ def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = Fa
                    switch: int | None = None, **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`) and a
     model that `selects` or not (`source_selects`), whose images take `image_rows`
-    (`source_image_rows`), whose LongRoPE switches at `switch` (`source_longrope`): the
-    `fields` given, and the prefill chunk,
+    (`source_image_rows`), whose LongRoPE switches at `switch` (`source_longrope`, recorded
+    as `longrope_switch`): the `fields` given, and the prefill chunk,
     KV type, attention and prefill MLP form, unless given, resolved as its `auto`
     (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`, `resolve_attention`,
     `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
-    fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision, switch,
-                                                 fields.get("max_prompt_len"))
+    if switch is not None:
+        fields["longrope_switch"] = switch
+    fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
     fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
                                                       fields["prefill_chunk_size"], selects)
     fields["prefill_first"] = resolve_first(fields.get("prefill_first", "auto"), devices, fields["prefill_chunk_size"],

@@ -52,6 +52,10 @@ class StaticOptions:
     # plugin keeps off its LLMMLP fusion and its second copy of the weights; "as-is": kept
     prefill_mlp: str = "as-is"
     max_positions: int | None = None  # the positions the model was built for (its config.json), when known
+    # LongRoPE's original positions T (its config.json), when the model has them: a prompt's rows
+    # rotate at the long factors when its end reaches T (kvc.passes.prompt_end), so a cache
+    # keys rows by that side (kvc.cache.serving)
+    longrope_switch: int | None = None
 
     def __post_init__(self) -> None:
         if self.beam != "drop":

@@ -403,7 +403,7 @@ def evaluate(name: str, workload: Workload, costs: Costs, chunk: int | tuple[int
 
 def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), default_chunk: int | tuple[int, ...] = 0,
               max_positions: int | None = None, default_first: tuple[int, ...] = (), device: str = "CPU",
-              first_rows: str = "static", switch: int | None = None) -> dict:
+              first_rows: str = "static") -> dict:
     """The fastest candidate within the budget, and `single` and `pyramid` as a user gets them
     without a plan: the default chunk and first chunks, and the default lengths (P 1024, R 128,
     P lowered to fit the model's `max_positions` as kvc compile lowers it) when they serve every
@@ -411,9 +411,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     most one first chunk, of the chunk's or the bulk chunk's rows (on the CPU all in one blob:
     `blobs`), of `first_rows` (--prefill-first-rows, resolved: "dynamic" on an f32 CPU, where
     `kvc compile` builds a first chunk that computes a prompt's first 1 to F tokens unpadded,
-    so the plan costs it as the compile builds it). A model whose LongRoPE switches at `switch`
-    below the longest prompt is planned unchunked, as `kvc compile` builds it (a chunked
-    prefill's first calls rotate at the other factors: `kvc.export.compile.model_longrope`)."""
+    so the plan costs it as the compile builds it)."""
     fitted = plan_lengths(None, None, default_chunk, "single", max_positions=max_positions)  # as compile fits them
     serves = (int(workload.prompts.max()) <= fitted.prompt
               and int((workload.prompts + workload.responses - 1).max()) <= fitted.prompt + fitted.response)
@@ -423,7 +421,7 @@ def best_plan(workload: Workload, costs: Costs, budget: Budget = Budget(), defau
     best = None
     decode = functools.cache(lambda R, sizes: decode_ms(workload, costs, R, sizes))  # the same for every prefill
     P0 = _align(int(workload.prompts.max()), NPUW_ALIGN)
-    chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0 and (switch is None or switch >= P0)]
+    chunks = [0] + [1 << k for k in range(4, 16) if (1 << k) < P0]
     for chunk in chunks:
         below = lengths_for(workload, chunk)[0]  # a bulk chunk must leave a past
         bulks = [()] + [(b,) for b in (chunk << k for k in range(1, 16)) if chunk and b < below]  # one at most

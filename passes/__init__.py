@@ -15,7 +15,7 @@ from kvc.passes.framework.registry import format_pipeline, get_pass, parse_pipel
 
 PASS_MODULES = ("lift_state", "dense_experts", "fuse_kvcache", "lower_kvcache", "static_shape", "kv_io",
                 "mask_positions", "unmask_pad_rows", "group_attention", "rotate_half_rope", "relative_alibi",
-                "mlp_rows", "pin_rows")
+                "mlp_rows", "pin_rows", "prompt_end")
 
 # What `kvc compile` runs before static shaping: lift the state into inputs/outputs, give MoE
 # expert blocks a static shape, write split-halves rotary as rotate-half and measure ALiBi

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvc.errors import UsageError
+from kvc.passes.prompt_end import PROMPT_LAST_POSITION
 from kvc.plan import KVSpec, LengthPlan, StaticPlan
 from kvc.runtime.embeddings import Media, token_feed
 from kvc.runtime.generate import Generation, far_past, far_past_fits
@@ -207,12 +208,16 @@ class StaticPipeline:
 
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
-    def step_feed(session: Session, ids, mask, positions, media: Media | None = None, at=None) -> dict:
+    def step_feed(session: Session, ids, mask, positions, media: Media | None = None, at=None,
+                  last: int | None = None) -> dict:
         """This step's small inputs, for the inputs `session` has; the past is bound to the
         shared buffers (a caller feeding its own past adds it). `media` and `at`: see
-        `token_feed`."""
+        `token_feed`. `last`: the prompt's last position, for a prefill model that reads it
+        (`kvc.passes.prompt_end`); None: this call's largest, as if it held the whole prompt."""
         feed = {**token_feed(session, ids, media, at), "attention_mask": mask, "position_ids": positions,
                 "beam_idx": np.zeros(1, np.int32)}
+        if session.has_input(PROMPT_LAST_POSITION):
+            feed[PROMPT_LAST_POSITION] = np.array(int(np.max(positions)) if last is None else last, np.int64)
         return {k: v for k, v in feed.items() if session.has_input(k)}
 
     def _prefill(self, prompt: np.ndarray, start: int = 0, skip: tuple[tuple[int, int], ...] = (),
@@ -249,7 +254,7 @@ class StaticPipeline:
             if media is not None and media.positions is not None:  # mRoPE's sections, [3, 1, size]
                 pos = np.repeat(pos[None], 3, axis=0)
                 pos[:, 0, size - k:] = np.asarray(media.positions, np.int64)[:, begin:end]
-            out = session.infer(self.step_feed(session, ids, mask, pos, media, at))
+            out = session.infer(self.step_feed(session, ids, mask, pos, media, at, last=n - 1))
             for spec in self.kv:
                 self._store(spec, out[spec.output], stored, slice(size - k, size))
             logits = out["logits"][0]

@@ -129,9 +129,10 @@ def probe_cases(plan, vocab: int, tokens: int = 8, seed: int = 0, window: int | 
     A `switch` (LongRoPE's original positions T, `model_longrope`: the rotary factors of a call
     are the long ones when its longest position reaches T) below the prompt's bound gets a
     prompt from position 0 of min(P, T + 9) tokens, unless one above is longer than T: a
-    chunked prefill's calls below T rotate at the short factors where the source, the prompt in
-    one call, rotates every row at the long ones (phi3_longrope, chunks of 16: published, its
-    128-token prompt's first token another)."""
+    chunked prefill whose calls take their own switch rotates the rows below T at the short
+    factors where the source, the prompt in one call, rotates every row at the long ones
+    (phi3_longrope, chunks of 16 before `kvc.passes.prompt_end`: published, its 128-token
+    prompt's first token another; without the pass this probe refuses it)."""
     from kvc.runtime.static_pipeline import max_new_tokens, variants_run
 
     rng = np.random.default_rng(seed)

@@ -286,3 +286,64 @@ def test_hit_tokens_count_only_tokens_restored_from_the_cache():
     stats = cache.stats
     assert (stats.requests, stats.prompt_tokens, stats.hit_tokens) == (3, 40 + 35 + 40, 2 * C)
     assert stats.hit_rate == 2 * C / 115
+
+
+def test_longrope_rows_are_restored_only_on_their_side_of_the_switch():
+    """phi3_longrope (64 original positions): a prompt's rows rotate at the long factors when
+    its end reaches 64 (`kvc.passes.prompt_end`). A 72-token prompt sharing two blocks with a
+    cached 40-token one must not restore them (they rotate at the short factors); one sharing
+    four blocks with a cached long prompt, or two with a short one, restores them. Each run
+    is the source model's. With the blocks keyed by ids alone the 72-token prompt restored
+    the short rows, and its logits were not the source's."""
+    from kvc.runtime.compare import judge
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import open_session
+    from tests.runtime.test_static_pipeline import LONGROPE, longrope_pipeline
+
+    source = open_session(fixtures.path("phi3_longrope"), "openvino")
+    served = CachedPipeline(longrope_pipeline(LONGROPE["chunked"]), PrefixCache(block_size=C))
+    rng = np.random.default_rng(4)
+    a = list(rng.integers(1, 384, 40))
+    b = a[:2 * C] + list(rng.integers(1, 384, 40))
+    c = b[:4 * C] + list(rng.integers(1, 384, 10))
+    d = a[:2 * C] + list(rng.integers(1, 384, 8))
+    for what, prompt, hit in (("short", a, 0), ("long, a's blocks short", b, 0), ("long after long", c, 4 * C),
+                              ("short after short", d, 2 * C)):
+        got = served.generate(prompt, NEW)
+        assert got.cached_tokens == hit, f"{what}: restored {got.cached_tokens} tokens, expected {hit}"
+        verdict = judge(greedy(source, np.asarray(prompt), NEW), got)
+        assert verdict.ok, f"{what}: {verdict.reason}"
+
+
+def test_a_longrope_session_turn_that_crosses_the_switch_restores_nothing():
+    """A session's first turn (40 tokens and its 3) rotates at the short factors; the next
+    (70 tokens) reaches 64, so a run of it from position 0 rotates every row at the long
+    ones: it restores nothing, and the turn after it restores its rows. Each turn is the
+    source's run of its whole history."""
+    from kvc.runtime.compare import judge
+    from kvc.runtime.generate import greedy
+    from kvc.runtime.session import open_session
+    from tests.runtime.test_static_pipeline import LONGROPE, longrope_pipeline
+
+    source = open_session(fixtures.path("phi3_longrope"), "openvino")
+    served = CachedPipeline(longrope_pipeline(LONGROPE["chunked"]))
+    rng = np.random.default_rng(5)
+    served.start_chat("s")
+    history = list(rng.integers(1, 384, 40))
+    for turn, hit in enumerate((0, 0, 72)):
+        got = served.generate(history, NEW, session="s")
+        assert got.cached_tokens == hit, f"turn {turn}: restored {got.cached_tokens}, expected {hit}"
+        verdict = judge(greedy(source, np.asarray(history), NEW), got)
+        assert verdict.ok, f"turn {turn}: {verdict.reason}"
+        history = history + got.tokens + list(rng.integers(1, 384, 27 if turn == 0 else 6))
+
+
+def test_a_pipeline_reading_the_prompt_end_without_its_switch_is_refused():
+    """Keying rows by LongRoPE's side needs the switch the plan records; a pipeline whose
+    prefill reads the prompt's end and whose plan has none cannot be cached soundly."""
+    import dataclasses
+
+    from tests.runtime.test_static_pipeline import LONGROPE, longrope_pipeline
+
+    with pytest.raises(UsageError, match="records no LongRoPE switch"):
+        CachedPipeline(longrope_pipeline(dataclasses.replace(LONGROPE["chunked"], longrope_switch=None)))

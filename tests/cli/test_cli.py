@@ -619,13 +619,13 @@ def test_bisect_names_the_one_branch_pass_and_its_tensor(monkeypatch):
 
     def with_perturbation(options):
         branches = real(options)
-        branches["prefill"].insert(3, PerturbConstant())  # after unmask-pad-rows
+        branches["prefill"].insert(4, PerturbConstant())  # after unmask-pad-rows
         return branches
 
     monkeypatch.setattr(build, "branch_passes", with_perturbation)
     data = json.loads(kvc("bisect", fixtures.path("llama"), *SMALL, "--kv-precision", "f32", "--json", code=4).stdout)
     assert data["first_bad_pass"]["spec"] == "test-perturb-constant"
-    assert data["first_bad_pass"]["branch"] == "prefill" and data["first_bad_pass"]["index"] == 4
+    assert data["first_bad_pass"]["branch"] == "prefill" and data["first_bad_pass"]["index"] == 5
     assert data["first_diverging_tensor"]["tensor"] == "442"
 
 
@@ -795,8 +795,8 @@ def test_diff_dump_and_compiled_directories_step_by_step(tmp_path):
     kvc("compile", "-o", a, *SMALL, "--dumps", "--no-verify")
     kvc("compile", "-o", b, *SMALL, "--dumps", "--no-verify", "--kv-precision", "int8")
     out = kvc("diff", a / "dumps", b / "dumps", "--summary-only").output
-    assert "prefill/003-unmask-pad-rows.txt: identical" in out  # the steps before kv-io are the same
-    assert re.search(r"prefill/004-kv-io.txt: \d+ lines differ \(ops .*Round \+4", out)
+    assert "prefill/004-unmask-pad-rows.txt: identical" in out  # the steps before kv-io are the same
+    assert re.search(r"prefill/005-kv-io.txt: \d+ lines differ \(ops .*Round \+4", out)
     data = json.loads(kvc("diff", a, b, "--json").output)
     models = set(json.loads((a / "manifest.json").read_text())["models"])
     assert {"prefill", "generate-128"} <= models  # and first-16 where the CPU computes at bf16

@@ -1382,9 +1382,11 @@ def test_compile_and_open_serves_the_checked_blobs_without_importing_them_again(
     manifest, pipe = compile_and_open(fixtures.path("llama"), out, options)
     files = {m["blobs"]["CPU"]["file"] for m in manifest["models"].values()}
     assert sorted(imported) == sorted(files) and len(files) == 1 + 2  # the If blob, two generate variants
-    # kept to serve, swept as an open sweeps (the If blob at bf16: behind its packing; then from the start)
-    if_blob = next(m["blobs"]["CPU"]["file"] for m in manifest["models"].values() if "branches" in m["blobs"]["CPU"])
-    assert imported[0] == if_blob and sweeps == ["behind", "all", "all"]
+    # kept to serve, swept as an open sweeps (the If blob behind its packing where it computes at
+    # bf16, unswept where the host computes f32 whatever is asked; then from the start)
+    if_blob = next(m["blobs"]["CPU"] for m in manifest["models"].values() if "branches" in m["blobs"]["CPU"])
+    first = "behind" if if_blob["import_config"]["INFERENCE_PRECISION_HINT"] == "bf16" else "none"
+    assert imported[0] == if_blob["file"] and sweeps == [first, "all", "all"]
     assert set(manifest["models"]) == {"prefill", "prefill-128", "first-16", "first-128", "generate-128", "generate-448"}
     assert manifest == read_manifest(out) and not list(tmp_path.glob(".out.partial-*"))
     opened, variants = open_compiled(out, "openvino"), set()
@@ -1537,21 +1539,25 @@ def test_kvc_build_digests_every_package_pyproject_installs(tmp_path, monkeypatc
         manifest.kvc_build.cache_clear()
 
 
-def test_longrope_past_its_original_positions_compiles_unchunked_and_a_chunked_one_is_refused(tmp_path):
+def test_longrope_past_its_original_positions_compiles_chunked_and_the_switch_probe_guards_it(tmp_path, monkeypatch):
     """phi3_longrope (LongRoPE, 64 original positions, P 128): the source takes a call's rotary
     factors long when its longest position reaches 64, so a prompt longer than that is rotated
-    at the long factors whole, and a prefill in chunks of 16 rotates its first chunks at the
-    short ones. The compile published such a pipeline at its CPU defaults (kvc verify then
-    refused its 128-token prompt): no probe from position 0 ran past 64. The switch probe (73
-    tokens) refuses it, and --prefill-chunk-size auto leaves such a model unchunked."""
-    from kvc.export.compile import model_longrope, resolve_chunk
+    at the long factors whole. A prefill in chunks rotated its first chunks at the short ones,
+    and kvc compiled such a model unchunked (its TTFT followed P). Now each prefill call reads
+    the prompt's last position (`kvc.passes.prompt_end`): the CPU's default compile is chunked,
+    records the switch for the caches, and verifies. Without the pass the switch probe (73
+    tokens) refuses the chunked compile, as it refused it before."""
+    from kvc.export.compile import model_longrope
+    from kvc.passes.framework.base import PassResult
+    from kvc.passes.prompt_end import PromptEnd
 
     source = fixtures.path("phi3_longrope")
     assert model_longrope(source) == 64 and model_longrope(fixtures.path("phi3")) is None
-    assert resolve_chunk("auto", ("CPU",), "f32", 64, 128) == 0 and resolve_chunk("auto", ("CPU",), "f32", 4096, 1024)
-    refused = kvc("compile", source, "-o", tmp_path / "chunked", "--prefill-chunk-size", "16", code=4)
-    assert "prompt of 73 tokens" in refused.output and not (tmp_path / "chunked").exists()
     out = tmp_path / "out"
     kvc("compile", source, "-o", out)
-    assert json.loads((out / "manifest.json").read_text())["plan"]["options"]["prefill_chunk_size"] == 0
+    options = json.loads((out / "manifest.json").read_text())["plan"]["options"]
+    assert options["prefill_chunk_size"] and options["longrope_switch"] == 64
     assert "verification: OK" in kvc("verify", out, "--backends", "numpy").output
+    monkeypatch.setattr(PromptEnd, "run", lambda self, model: PassResult(model, False))
+    refused = kvc("compile", source, "-o", tmp_path / "chunked", "--prefill-chunk-size", "16", code=4)
+    assert "prompt of 73 tokens" in refused.output and not (tmp_path / "chunked").exists()

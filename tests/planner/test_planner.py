@@ -428,16 +428,3 @@ def test_a_plan_past_the_models_positions_says_so(tmp_path):
     assert re.search(r"warning: P \d+ \+ R \d+ exceed the 256 positions the model's config.json states \(n_positions\)",
                      result.output)
     assert "exceed the 256 positions" in json.loads((tmp_path / "plan.json").read_text())["warning"]
-
-
-def test_a_longrope_switch_below_the_longest_prompt_is_planned_unchunked():
-    """kvc compile refuses a chunked prefill of a model whose LongRoPE switches below P (its
-    first chunks rotate at the short factors: kvc.export.compile.model_longrope); the plan, which
-    chose a chunk for the same chat mix, chooses none, and a switch past every prompt changes
-    nothing."""
-    chat = workload(1, 80, (10, 200), (16, 64))
-    free = best_plan(chat, CPU, Budget(max_models=3), (16, 128), None, (128,), "CPU")["plan"]
-    assert free.chunk
-    switched = best_plan(chat, CPU, Budget(max_models=3), 0, None, (), "CPU", switch=64)["plan"]
-    assert switched.chunk == 0 and not switched.bulk and not switched.first
-    assert best_plan(chat, CPU, Budget(max_models=3), (16, 128), None, (128,), "CPU", switch=4096)["plan"] == free

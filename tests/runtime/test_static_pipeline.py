@@ -12,6 +12,7 @@ import pytest
 import kvc.ir as ir
 from kvc import fixtures
 from kvc.export.build import build_static
+from kvc.export.compile import source_longrope
 from kvc.plan import StaticOptions
 from kvc.runtime.compare import judge
 from kvc.runtime.embeddings import embedder_of
@@ -32,7 +33,9 @@ CONFIGS = {
 
 @functools.cache
 def static_models(name: str, config: str):
-    return build_static(ir.load(fixtures.path(name)), CONFIGS[config], use_env=False)
+    """`CONFIGS[config]` built for fixture `name`, with its LongRoPE switch as compile records it."""
+    options = dataclasses.replace(CONFIGS[config], longrope_switch=source_longrope(fixtures.path(name)))
+    return build_static(ir.load(fixtures.path(name)), options, use_env=False)
 
 
 def pipeline(name: str, config: str, backend: str) -> StaticPipeline:
@@ -443,23 +446,39 @@ def test_a_new_prompt_starts_over_a_zeroed_cache_and_computes_what_a_fresh_pipel
 # LongRoPE (phi3_longrope: Phi-3's long-context rotary with 64 original positions): optimum's
 # patch picks the long or the short rotary factors per model call, by max(position_ids) + 1 > 64.
 # The source run whole on a 100-token prompt rotates every row at the long factors; a prefill in
-# chunks of 16 rotates the rows of its chunks below position 64 at the short ones, so its cache
-# and logits are not the source's. A prefill of the whole prompt at once is exact.
+# chunks of 16 rotated the rows of its chunks below position 64 at the short ones, so its cache
+# and logits were not the source's, until its calls read the prompt's last position
+# (kvc.passes.prompt_end).
 LONGROPE = {
     "whole": StaticOptions(max_prompt_len=128, min_response_len=R),
-    "chunked": pytest.param(StaticOptions(max_prompt_len=128, min_response_len=R, prefill_chunk_size=C),
-                            marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                                "kvc bug: a prefill chunk computes LongRoPE's factor switch over its own "
-                                "positions, not the whole prompt's (fixtures/README.md, phi3_longrope)"))),
+    "chunked": StaticOptions(max_prompt_len=128, min_response_len=R, prefill_chunk_size=C, longrope_switch=64),
+    "bulk": StaticOptions(max_prompt_len=128, min_response_len=R, prefill_chunk_size=(C, B), longrope_switch=64),
 }
 
 
 @pytest.mark.parametrize("options", LONGROPE.values(), ids=LONGROPE.keys())
 def test_longrope_prompt_past_the_original_positions_gives_the_sources_tokens(options):
+    pipe = longrope_pipeline(options)
+    source = open_session(fixtures.path("phi3_longrope"), "openvino")
+    for length in (100, 40):  # past the switch, then below it (every row at the short factors)
+        prompt = np.random.default_rng(7).integers(1, 384, length)
+        verdict = judge(greedy(source, prompt, 4), pipe.generate(prompt, 4))
+        assert verdict.ok, f"{length} tokens: {verdict.reason}"
+
+
+def longrope_pipeline(options: StaticOptions) -> StaticPipeline:
     sm = build_static(ir.load(fixtures.path("phi3_longrope")), options, use_env=False)
-    pipe = StaticPipeline(NumpySession(sm.models["prefill"]),
-                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan)
-    prompt = np.random.default_rng(7).integers(1, 384, 100)
-    ref = greedy(open_session(fixtures.path("phi3_longrope"), "openvino"), prompt, 4)
-    verdict = judge(ref, pipe.generate(prompt, 4))
-    assert verdict.ok, verdict.reason
+    return StaticPipeline(NumpySession(sm.models["prefill"]),
+                          {s: NumpySession(sm.models[n]) for s, n in sm.generate_names.items()}, sm.plan,
+                          bulk={b: NumpySession(sm.models[f"prefill-{b}"]) for b in sm.plan.lengths.bulk})
+
+
+def test_a_prefill_call_alone_reads_its_own_last_position():
+    """A caller that runs a prefill model's one call itself (calibration, bisect) gets the
+    graph's own rule, its call's largest position, unless it says otherwise."""
+    pipe = longrope_pipeline(LONGROPE["chunked"])
+    positions = np.arange(40, 56).reshape(1, C)
+    feed = pipe.step_feed(pipe.prefill, np.ones((1, C), np.int64), np.ones((1, 128), np.int64), positions)
+    assert feed["prompt_last_position"] == 55
+    feed = pipe.step_feed(pipe.prefill, np.ones((1, C), np.int64), np.ones((1, 128), np.int64), positions, last=99)
+    assert feed["prompt_last_position"] == 99
