@@ -157,9 +157,20 @@ def cpu_rounds_bf16() -> bool:
 
 def _own_bf16(model: ov.Model, boundary: set) -> set:
     """The nodes that compute the model's own bf16 values (not the cache's), which a host whose
-    CPU computes bf16 as f32 leaves unrounded (`cpu_rounds_bf16`)."""
-    own = {n for n in model.get_ordered_ops() if n not in boundary and n.get_type_name() not in _BUILTIN
-           and any(n.get_output_element_type(i) == ov.Type.bf16 for i in range(n.get_output_size()))}
+    CPU computes bf16 as f32 leaves unrounded (`cpu_rounds_bf16`). A value computed from
+    constants alone is not one of them: OpenVINO folds it when it compiles, at its declared
+    type, so rounded (on an AVX2 host Falcon's slopes `Convert(Constant, bf16)` are rounded,
+    its positions and their product with the slopes are not)."""
+    own = set()
+    constant = set()  # computed from constants alone
+    for n in model.get_ordered_ops():
+        kind = n.get_type_name()
+        if kind == "Constant" or (kind not in _BUILTIN and n.get_input_size()
+                                  and all(i.get_source_output().get_node() in constant for i in n.inputs())):
+            constant.add(n)
+        elif n not in boundary and kind not in _BUILTIN and any(
+                n.get_output_element_type(i) == ov.Type.bf16 for i in range(n.get_output_size())):
+            own.add(n)
     return own if own and not cpu_rounds_bf16() else set()
 
 

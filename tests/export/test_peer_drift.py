@@ -19,10 +19,12 @@ from kvc.runtime.compare import STEP_ERROR
 from kvc.verify.peer_drift import (NRMSE_CEILING, NRMSE_FLOOR, PEER_FACTOR, ROW_CEILING, ROW_FLOOR,
                                     SELECTING_NRMSE_CEILING, STEP_FLOOR, Drift)
 from tests.cli.runner import SMALL, kvc
+from tests.conftest import BF16_CPU
 
 LONG = ("--prefill-chunk-size", "16,128,512", "--prefill-first", "0")  # probes of 7, 25, 137 and 521 tokens
 
 
+@BF16_CPU
 def test_bloom_at_its_own_prompt_length_compiles_at_bf16_within_the_plugins_own_drift(tmp_path):
     """At the default chunks: the far probes, over a far past of ~1000 rows, are where bf16
     drifts most (with LONG's bulk chunk of 512, the generate step after the call that ends at
@@ -64,7 +66,7 @@ def _flip_rows_past(position: int):
     return flipped
 
 
-@pytest.mark.parametrize("precision", ["bf16", "f32"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=BF16_CPU), "f32"])
 def test_a_fault_past_the_plugins_own_drift_is_refused(precision, tmp_path, monkeypatch):
     """Rows of the 521-token probe only (from 515 on) made wrong: at bf16 the peer is measured
     and does not excuse them; exact blobs are never judged against a peer."""
@@ -153,7 +155,7 @@ BIASED = {
 
 
 @pytest.mark.parametrize("bounds", ["now", "before"])
-@pytest.mark.parametrize("form", BIASED)
+@pytest.mark.parametrize("form", [pytest.param(f, marks=BF16_CPU) if f.endswith("bf16") else f for f in BIASED])
 def test_a_generate_blob_fault_inside_the_old_bounds_is_refused(form, bounds, tmp_path, monkeypatch):
     """llama's generate blobs with a logits bias of 0.04 per entry pass the bounds they were
     judged by before (NRMSE 0.01 and a step error of 0.25) and are refused by the plugin's own
@@ -173,6 +175,7 @@ def test_a_generate_blob_fault_inside_the_old_bounds_is_refused(form, bounds, tm
     assert not out.exists()
 
 
+@BF16_CPU
 def test_a_peer_that_cannot_run_leaves_the_refusal_as_it_was(tmp_path, monkeypatch):
     """When the plugin's own run of the source fails, the fixed bounds judge, saying so (exit
     4 for the fault, not the peer's device error)."""

@@ -16,6 +16,7 @@ import re
 import pytest
 from kvc import fixtures
 from tests.cli.runner import SMALL, kvc
+from tests.conftest import BF16_CPU
 from tests.mutation.mutants import apply
 
 IR_CHECK = "the compiled pipeline does not reproduce"
@@ -187,6 +188,7 @@ def test_kvc_verify_runs_the_blobs_of_every_device_the_directory_was_compiled_fo
     kvc("verify", out, "--backends", "numpy,openvino", "--from-ir")  # the IR itself is right
 
 
+@BF16_CPU
 def test_numpy_goldens_are_judged_exactly_over_a_rounded_cache(tmp_path, monkeypatch):
     """Goldens recorded and checked on kvc's numpy runtime over a bf16 cache: judged as reduced
     precision (1e-2) against numpy's own deterministic run, an o_proj 0.5% off (drift 0.0075)
@@ -207,6 +209,7 @@ def test_numpy_goldens_are_judged_exactly_over_a_rounded_cache(tmp_path, monkeyp
     assert re.search(r"logit drift \S+ > 0\.0001", result.output)
 
 
+@BF16_CPU
 def test_a_routers_wide_bounds_excuse_one_probe_not_every_probe(tmp_path, monkeypatch):
     """qwen3_moe at bf16 (the default where the host has it): a generate blob with
     layer 1's o_proj 30% too large drifted 20x the plugin's own run on every probe, each
@@ -225,6 +228,7 @@ def test_a_routers_wide_bounds_excuse_one_probe_not_every_probe(tmp_path, monkey
     kvc(*args)  # what the fixed bounds alone publish
 
 
+@BF16_CPU
 def test_the_probe_a_routers_flip_excuses_stays_near_the_plugins_own_drift(tmp_path, monkeypatch):
     """qwen2_moe at bf16: a generate blob reading zeros for the values of its last past slots
     moves one probe, 8.6x the plugin's own drift; as the one probe a router's flip may excuse

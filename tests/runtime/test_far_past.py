@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from kvc import fixtures
 from kvc.errors import UsageError
+from kvc.export.compile import compile_static
 from kvc.ir import load
 from kvc.plan import KVSpec
 from kvc.runtime.generate import far_past, far_past_fits, greedy
 from kvc.runtime.session import NumpySession, OpenVINOSession
 from kvc.runtime.static_pipeline import StaticPipeline
 from kvc.verify.compiled import probe_cases
-from tests.export.test_weights_check import built
 
 
 def test_a_far_past_is_exact_in_every_float_cache_and_the_same_in_any_layout():
@@ -102,7 +102,8 @@ def test_a_far_past_needs_an_empty_cache_and_a_float_static_cache():
 
 
 def test_far_probes_start_over_a_far_past_unless_the_cache_is_int8():
-    lengths = built("llama").plan.lengths
+    # the chunks of bf16 CPU blobs (16, first chunks of 16, static rows) on any host
+    lengths = compile_static(("CPU",), "bf16", max_prompt_len=64, min_response_len=64).lengths()
     for kv_types, filled in ((["f16"], True), (["bf16"], True), (["f32"], True), (["i8", "f16"], False)):
         cases = probe_cases(lengths, 300, filled=far_past_fits(kv_types))
         ends = [(p, p.origin + len(p.prompt) == lengths.prompt) for p in cases if p.origin and not p.decode]
