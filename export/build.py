@@ -12,9 +12,10 @@
           "split-past": group-attention{split_past=true} in every branch; "fold":
           group-attention{fold=true} in the prefill branches and {split_past=true} in the
           generate ones; prefill_mlp "rows": mlp-rows in the prefill branches)
-    first-tail: prompt-end → kv-io → lower-kvcache [→ mlp-rows] → pin-rows: a prompt's first tokens unpadded need no
-          mask or pad-row rewrite, and attention stays the model's own (group-attention needs
-          static shapes; the CPU plugin runs the op as the stateful model does)
+    first-tail: prompt-end → kv-io → lower-kvcache [→ mlp-rows] → pin-rows: a prompt's first
+          tokens unpadded need no mask or pad-row rewrite, and attention stays the model's own
+          (group-attention needs static shapes; the CPU plugin runs the op as the stateful
+          model does)
 
 The pass objects are built from the typed options (`branch_passes`); pipeline text is only
 what users type (`--passes`) and what the manifest and dumps record.

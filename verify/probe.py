@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import openvino as ov
 
+from kvc.ir.kv_discovery import kv_layout
 from kvc.ir.text_embeddings import TOKEN_EMBEDS
 from kvc.runtime.embeddings import embedder_of
 from kvc.runtime.generate import first_step_feed, greedy, present_name
@@ -80,7 +81,8 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
         # The past is the whole run's first k rows, not a run of k tokens: LongRoPE rotates
         # every row of a call at the factors of its longest position (`kvc.passes.prompt_end`).
         full = ref.infer(first_step_feed(ref, seq))
-        cache = {name: full[present_name(name)][:, :, :k] for name in pasts} if k else {}
+        axes = {t.input_name: t.seq_axis for t in kv_layout(reference).tensors}
+        cache = {name: np.take(full[present_name(name)], np.arange(k), axis=axes[name]) for name in pasts} if k else {}
         written = {present_name(name): full[present_name(name)][:, :, k:k + n] for name in pasts}
         memo[k, n] = pasts, cache, full["logits"][0, k:k + n], written
     pasts, cache, ref_logits, written = memo[k, n]
@@ -93,7 +95,8 @@ def static_feed(model: ov.Model, reference: ov.Model, tokens: np.ndarray, case: 
     pos = np.zeros((1, L), np.int64)
     pos[0, L - n:] = np.arange(k, k + n)
     candidates = {"input_ids": ids, TOKEN_EMBEDS: None if embed is None else embed(ids),
-                  "token_type_ids": np.zeros_like(ids), "attention_mask": mask, "position_ids": pos, "beam_idx": np.zeros(1, np.int32),
+                  "token_type_ids": np.zeros_like(ids), "attention_mask": mask, "position_ids": pos,
+                  "beam_idx": np.zeros(1, np.int32),
                   PROMPT_LAST_POSITION: np.array(k + n - 1, np.int64)}  # the reference runs seq whole
     f16 = False
     for name, port in ports.items():
