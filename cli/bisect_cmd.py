@@ -36,16 +36,15 @@ def bisect(model, prompt_ids, steps, devices, inference_precision, as_json, **kw
     from kvc.cli.options import parse_ids
     from kvc.verify.bisect import bisect as run_bisect
 
-    from kvc.export.compile import (fit_to_model, model_max_positions, source_image_rows, source_longrope,
-                                    source_selects)
+    from kvc.export.compile import fit_to_model, model_longrope, model_max_positions, source_image_rows, source_selects
     from kvc.ir.reader import resolve
 
     path = resolve_model(model)
     # The auto options resolved as `kvc compile` resolves them for the same arguments (CPU at the
     # plugin's own arithmetic by default), so that the pipeline bisected is the one it refused.
-    static = pop_static(kwargs, devices, inference_precision, source_selects(path), source_image_rows(path),
-                        source_longrope(path))
-    options = fit_to_model(static, model_max_positions(resolve(path).root))
+    static = pop_static(kwargs, devices, inference_precision, source_selects(path), source_image_rows(path))
+    root = resolve(path).root
+    options = fit_to_model(static, model_max_positions(root), model_longrope(root))
     from kvc.export.build import common_passes
     from kvc.passes import format_pipeline
 

@@ -49,13 +49,12 @@ def compile_(ctx, model, out, devices, inference_precision, verify, dumps, force
     MODEL is an optimum-intel directory, an OpenVINO .xml, or an .onnx with past/present
     inputs and outputs; without it, the model bundled with kvc.
     """
-    from kvc.export.compile import CompileOptions, compile_to, source_image_rows, source_longrope, source_selects
+    from kvc.export.compile import CompileOptions, compile_to, source_image_rows, source_selects
 
     if plan_path is not None:
         apply_plan(ctx, kwargs, plan_path)
     path = resolve_model(model)
-    static = pop_static(kwargs, devices, inference_precision, source_selects(path), source_image_rows(path),
-                        source_longrope(path))
+    static = pop_static(kwargs, devices, inference_precision, source_selects(path), source_image_rows(path))
     instrumentation = pop_instrumentation(kwargs)
     name = source_name(path, bundled=model is None)
     if report is not None:

@@ -233,18 +233,16 @@ STATIC_KEYS = ("max_prompt_len", "min_response_len", "prefill_chunk_size", "pref
                "transpose_v", "slice_logits", "beam", "attention", "prefill_mlp", "passes_")
 
 
-def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32", selects: bool = False, image_rows: int = 0,
-               switch: int | None = None):
+def pop_static(kwargs: dict, devices=("CPU",), precision: str = "f32", selects: bool = False, image_rows: int = 0):
     """The StaticOptions of the command's options; `auto` values resolved for `devices`, the
-    CPU blobs' `precision`, a model that `selects`, one whose images take `image_rows` and one
-    whose LongRoPE switches at `switch`
+    CPU blobs' `precision`, a model that `selects` and one whose images take `image_rows`
     (`compile_static`, what the library offers for the same)."""
     from kvc.export.compile import compile_static
 
     fields = {k.rstrip("_"): kwargs.pop(k) for k in STATIC_KEYS}
     fields["variants"] = parse_variants(fields["variants"])
     fields["kv_precision"] = {"int8": "i8"}.get(fields["kv_precision"], fields["kv_precision"])
-    return compile_static(devices, precision, selects, image_rows, switch, **fields)
+    return compile_static(devices, precision, selects, image_rows, **fields)
 
 
 def ir_print_options(f):

@@ -218,7 +218,7 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
     refused without --force, never replaced: the user may have kept it on purpose."""
     from kvc.cli.options import progress
     from kvc.export.compile import (CompileOptions, compile_and_open, compile_static, compile_to,
-                                    source_image_rows, source_longrope, source_selects)
+                                    source_image_rows, source_selects)
     from kvc.export.load import DEVICE_OF_BACKEND
     from kvc.export.manifest import kvc_build, read_manifest, same_source
 
@@ -250,7 +250,7 @@ def compile_if_needed(out: Path, source: Path | None, force: bool, backend: str,
                  f"checked by size{', and by sha256 (--check)' if check else '; --check hashes them'})")
         return None, False
     options = CompileOptions(compile_static((device,), selects=source_selects(source),
-                                            image_rows=source_image_rows(source), switch=source_longrope(source)),
+                                            image_rows=source_image_rows(source)),
                              (device,), force=force)
     if runs_ir:
         compile_to(source, out, options, progress=progress)

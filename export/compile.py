@@ -289,17 +289,14 @@ def resolve_prefill_mlp(value: str, devices=("CPU",), precision: str = "f32") ->
 
 
 def compile_static(devices=("CPU",), precision: str = "auto", selects: bool = False, image_rows: int = 0,
-                   switch: int | None = None, **fields) -> StaticOptions:
+                   **fields) -> StaticOptions:
     """The StaticOptions `kvc compile` builds for `devices` (CPU blobs at `precision`) and a
     model that `selects` or not (`source_selects`), whose images take `image_rows`
-    (`source_image_rows`), whose LongRoPE switches at `switch` (`source_longrope`, recorded
-    as `longrope_switch`): the `fields` given, and the prefill chunk,
+    (`source_image_rows`): the `fields` given, and the prefill chunk,
     KV type, attention and prefill MLP form, unless given, resolved as its `auto`
     (`resolve_chunk`, `resolve_first_rows`, `resolve_first`, `resolve_kv`, `resolve_attention`,
     `resolve_prefill_mlp`). `StaticOptions()` itself keeps the library's plain defaults (no
     chunk, an exact f32 cache, grouped attention, the MLP as exported)."""
-    if switch is not None:
-        fields["longrope_switch"] = switch
     fields["prefill_chunk_size"] = resolve_chunk(fields.get("prefill_chunk_size", "auto"), devices, precision)
     fields["prefill_first_rows"] = resolve_first_rows(fields.get("prefill_first_rows", "auto"), devices, precision,
                                                       fields["prefill_chunk_size"], selects)
@@ -527,7 +524,8 @@ def _compile_into(model_path: Path, work: Path, options: CompileOptions, progres
         hashes.start(f)
     check_side_files(resolve(model_path).root)
     stated = model_max_positions(resolve(model_path).root)
-    options = dataclasses.replace(options, static=fit_to_model(options.static, stated))
+    options = dataclasses.replace(options, static=fit_to_model(options.static, stated,
+                                                                model_longrope(resolve(model_path).root)))
     _phase(options, "passes, save the IR", work)
     static, xmls = _build_and_save(model_path, work, options, stated, progress)
     # With a blob cache, the keys need each model's XML and each constant's hash (taken beside
@@ -707,11 +705,6 @@ def _holds(path: Path, pattern: bytes) -> bool:
     return False
 
 
-def source_longrope(model_path) -> int | None:
-    """`model_longrope` of a model's directory or file."""
-    return model_longrope(resolve(model_path).root)
-
-
 def source_image_rows(model_path) -> int:
     """The rows of an image (config.json's `mm_tokens_per_image`, Gemma 3's 256) of a
     vision-language model whose language model reads `token_type_ids` (its image attends
@@ -732,12 +725,15 @@ def model_max_positions(source_dir: Path) -> tuple[str, int] | None:
     return None if key is None else (key, config[key])
 
 
-def fit_to_model(options: StaticOptions, stated: tuple[str, int] | None) -> StaticOptions:
+def fit_to_model(options: StaticOptions, stated: tuple[str, int] | None, switch: int | None = None) -> StaticOptions:
     """`options` knowing the model's maximum positions (`model_max_positions`), so that
-    default lengths fit them (kvc.plan.plan_lengths)."""
-    if stated is None or options.max_positions is not None:
-        return options
-    return dataclasses.replace(options, max_positions=stated[1])
+    default lengths fit them (kvc.plan.plan_lengths), and its LongRoPE switch (`model_longrope`),
+    which the plan records for the caches (`StaticOptions.longrope_switch`)."""
+    if stated is not None and options.max_positions is None:
+        options = dataclasses.replace(options, max_positions=stated[1])
+    if switch is not None and options.longrope_switch is None:
+        options = dataclasses.replace(options, longrope_switch=switch)
+    return options
 
 
 def _beyond_max_positions(stated: tuple[str, int] | None, options: StaticOptions) -> str | None:

@@ -14,12 +14,12 @@ import pytest
 
 import kvc.ir as ir
 from kvc import fixtures
-from kvc.export.compile import cpu_precision
 from kvc.passes import PassManager, parse_pipeline
 from kvc.runtime.interpreter import cpu_rounds_bf16
 from kvc.runtime.ops.movement import openvino_bf16
 from kvc.runtime.session import NumpySession
 from tests.cli.runner import kvc
+from tests.conftest import BF16_CPU
 
 H, Q, K, D = 4, 8, 1024, 16
 SLOPES = np.array([0.25, 0.0625, 0.015625, 0.00390625], np.float32).reshape(1, H, 1)
@@ -104,7 +104,7 @@ def test_the_rewrite_leaves_attention_unchanged_at_f32(sdpa):
     np.testing.assert_allclose(after, reference, rtol=0, atol=1e-6)
 
 
-@pytest.mark.skipif(cpu_precision("auto") != "bf16", reason="the CPU plugin runs bf16 only where the host has it")
+@BF16_CPU
 def test_at_bf16_the_relative_bias_keeps_the_scores():
     """The pass's reason: on OpenVINO CPU at bf16, a bias of 0.25 x 1000 added to the scores
     rounds them away; measured from the newest token it does not."""

@@ -12,7 +12,8 @@ import pytest
 import kvc.ir as ir
 from kvc import fixtures
 from kvc.export.build import build_static
-from kvc.export.compile import source_longrope
+from kvc.export.compile import fit_to_model, model_longrope
+from kvc.ir.reader import resolve
 from kvc.plan import StaticOptions
 from kvc.runtime.compare import judge
 from kvc.runtime.embeddings import embedder_of
@@ -34,7 +35,7 @@ CONFIGS = {
 @functools.cache
 def static_models(name: str, config: str):
     """`CONFIGS[config]` built for fixture `name`, with its LongRoPE switch as compile records it."""
-    options = dataclasses.replace(CONFIGS[config], longrope_switch=source_longrope(fixtures.path(name)))
+    options = fit_to_model(CONFIGS[config], None, model_longrope(resolve(fixtures.path(name)).root))
     return build_static(ir.load(fixtures.path(name)), options, use_env=False)
 
 
